@@ -1,0 +1,22 @@
+"""Mixed precision training for PyTorch Lightning that you can trust and see.
+
+``Trainer(plugins=[MixedPrecisionPlugin("bf16")], callbacks=[LossScaleMonitor(), GradientRangeMonitor()])``
+"""
+
+from lightning_mp.formats import PRECISION_ALIASES, Format, resolve_precision
+from lightning_mp.fp32_policy import DEFAULT_FP32_MODULES, DEFAULT_FP32_OPS, Fp32Policy
+from lightning_mp.loss_scaler import LossScaler
+from lightning_mp.plugin import MixedPrecisionPlugin
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_FP32_MODULES",
+    "DEFAULT_FP32_OPS",
+    "Format",
+    "Fp32Policy",
+    "LossScaler",
+    "MixedPrecisionPlugin",
+    "PRECISION_ALIASES",
+    "resolve_precision",
+]

@@ -1,0 +1,75 @@
+"""Precision names, their aliases, and the facts of each number format.
+
+One table maps every accepted spelling to a canonical name; everything else in the package asks this
+module, so an alias can never mean two things. Format limits come from ``torch.finfo``, not retyped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# canonical name -> (compute dtype, Lightning's own precision string, loss scaling by default)
+_FORMATS = {
+    "fp32": (torch.float32, "32-true", None),
+    "fp16": (torch.float16, "16-mixed", "dynamic"),
+    "bf16": (torch.bfloat16, "bf16-mixed", None),
+}
+
+# every accepted spelling -> canonical name
+PRECISION_ALIASES: dict[str, str] = {
+    "fp32": "fp32",
+    "32": "fp32",
+    "32-true": "fp32",
+    "fp16": "fp16",
+    "16": "fp16",
+    "16-mixed": "fp16",
+    "bf16": "bf16",
+    "bf16-mixed": "bf16",
+}
+
+
+@dataclass(frozen=True)
+class Format:
+    """A compute format and the limits that matter for mixed precision."""
+
+    name: str
+    dtype: torch.dtype
+    lightning_precision: str
+    default_loss_scale: str | None
+
+    @property
+    def is_16bit(self) -> bool:
+        return self.dtype != torch.float32
+
+    @property
+    def max(self) -> float:
+        """Largest finite value (65504 for fp16; about 3.4e38 for bf16 and fp32)."""
+        return torch.finfo(self.dtype).max
+
+    @property
+    def smallest_normal(self) -> float:
+        """Smallest normal value (2^-14 for fp16, 2^-126 for bf16 and fp32)."""
+        return torch.finfo(self.dtype).smallest_normal
+
+    @property
+    def smallest_subnormal(self) -> float:
+        """Smallest positive value at all: 2^-24 for fp16, 2^-133 for bf16, 2^-149 for fp32."""
+        return torch.finfo(self.dtype).smallest_normal * torch.finfo(self.dtype).eps
+
+    @property
+    def eps(self) -> float:
+        """Spacing at 1.0: 2^-10 for fp16, 2^-7 for bf16 (half an eps is the rounding bound)."""
+        return torch.finfo(self.dtype).eps
+
+
+def resolve_precision(precision: object) -> Format:
+    """Return the :class:`Format` for any accepted spelling, or raise a ``ValueError`` listing them."""
+    key = str(precision).strip().lower() if isinstance(precision, (str, int)) else None
+    if key not in PRECISION_ALIASES or isinstance(precision, bool):
+        allowed = ", ".join(repr(k) for k in PRECISION_ALIASES)
+        raise ValueError(f"precision={precision!r} is not supported. Allowed: {allowed}.")
+    name = PRECISION_ALIASES[key]
+    dtype, lightning_precision, default_loss_scale = _FORMATS[name]
+    return Format(name, dtype, lightning_precision, default_loss_scale)

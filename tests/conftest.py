@@ -1,0 +1,82 @@
+import os
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+os.environ.setdefault("PL_DISABLE_FORK", "1")
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def trainer_kwargs(**overrides):
+    """A quiet CPU trainer: no logger, no checkpoints, no progress bar unless a test asks for them."""
+    kwargs = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        deterministic=True,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+class TinyRegressor(L.LightningModule):
+    """A 2-layer MLP on fixed random data; ``fault_at`` injects a non-finite loss at those batch indices."""
+
+    def __init__(self, optimizer="adamw", lr=1e-2, fault_at=(), fault=float("inf"), width=16, norm=False):
+        super().__init__()
+        layers = [nn.Linear(8, width), nn.ReLU()]
+        if norm:
+            layers.append(nn.LayerNorm(width))
+        layers.append(nn.Linear(width, 1))
+        self.net = nn.Sequential(*layers)
+        self.optimizer, self.lr, self.fault_at, self.fault = optimizer, lr, set(fault_at), fault
+        self.seen_batches = 0
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x).float(), y)
+        if self.seen_batches in self.fault_at:
+            loss = loss * self.fault
+        self.seen_batches += 1
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x).float(), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+        if self.optimizer == "adam_fused":
+            return torch.optim.Adam(self.parameters(), lr=self.lr, fused=True)
+        if self.optimizer == "adam_foreach":
+            return torch.optim.Adam(self.parameters(), lr=self.lr, foreach=True)
+        if self.optimizer == "lbfgs":
+            return torch.optim.LBFGS(self.parameters(), lr=self.lr, max_iter=3)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def regression_data(n=64, batch_size=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, :1] * 0.5 - x[:, 1:2] * 0.25).clone()
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+@pytest.fixture
+def data():
+    return regression_data()

@@ -1,0 +1,452 @@
+"""Trainer-level tests of MixedPrecisionPlugin: master weights, loss scaling, clipping, checkpoints, resume."""
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import HalfPrecision
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mp import MixedPrecisionPlugin
+from tests.conftest import TinyRegressor, regression_data, trainer_kwargs
+
+FP16_SAFE = dict(init_scale=2.0**8)  # a start scale at which the tiny regressor does not overflow
+
+
+def fit(model, plugin=None, data=None, **kwargs):
+    plugins = [plugin] if plugin is not None else []
+    trainer = L.Trainer(plugins=plugins, **trainer_kwargs(**kwargs))
+    trainer.fit(model, data if data is not None else regression_data())
+    return trainer
+
+
+def master_values(trainer):
+    return {k: v.clone() for k, v in trainer.lightning_module.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+@pytest.mark.parametrize(
+    "alias, name", [("16", "fp16"), ("16-mixed", "fp16"), ("bf16-mixed", "bf16"), ("32", "fp32"), ("32-true", "fp32")]
+)
+def test_aliases_resolve_to_one_format(alias, name):
+    assert MixedPrecisionPlugin(alias).format.name == name
+
+
+@pytest.mark.parametrize("bad", ["fp8", "64", "half", None, 16.0])
+def test_unknown_precision_lists_the_valid_names(bad):
+    with pytest.raises(ValueError, match=r"precision=.*'fp16'.*'bf16'"):
+        MixedPrecisionPlugin(bad)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"growth_factor": 0.5}, "growth_factor"),
+        ({"backoff_factor": 2.0}, "backoff_factor"),
+        ({"init_scale": 0}, "init_scale"),
+        ({"growth_interval": 0}, "growth_interval"),
+        ({"hysteresis": 0}, "hysteresis"),
+        ({"min_scale": 4.0, "max_scale": 2.0}, "min_scale"),
+        ({"loss_scale": "static"}, "loss_scale"),
+        ({"master_weights": "yes"}, "master_weights"),
+    ],
+)
+def test_invalid_plugin_arguments_name_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        MixedPrecisionPlugin("fp16", **kwargs)
+
+
+def test_defaults_per_format():
+    assert MixedPrecisionPlugin("fp16").scaler.dynamic
+    assert MixedPrecisionPlugin("fp16").loss_scale == 2.0**16
+    assert MixedPrecisionPlugin("bf16").loss_scale == 1.0 and not MixedPrecisionPlugin("bf16").scaler.enabled
+    assert MixedPrecisionPlugin("bf16").master_weights and not MixedPrecisionPlugin("fp32").master_weights
+
+
+# ---------------------------------------------------------------------------------------------- master weights
+class Inspect(Callback):
+    def __init__(self):
+        self.param_dtypes, self.optim_dtypes, self.output_dtypes = set(), set(), set()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.param_dtypes |= {p.dtype for p in pl_module.parameters()}
+        self.optim_dtypes |= {p.dtype for g in trainer.optimizers[0].param_groups for p in g["params"]}
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_model_lives_in_16_bits_while_the_optimizer_sees_only_fp32_masters(precision, dtype):
+    model, spy = TinyRegressor(), Inspect()
+    fit(model, MixedPrecisionPlugin(precision, **FP16_SAFE), max_steps=3, callbacks=[spy])
+    assert spy.param_dtypes == {dtype}
+    assert spy.optim_dtypes == {torch.float32}
+    # after fit the model is handed back in FP32, holding the master values
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_frozen_and_unoptimized_params_get_no_master_and_are_not_rounded():
+    class Partly(TinyRegressor):
+        def __init__(self):
+            super().__init__()
+            self.extra = nn.Parameter(torch.full((3,), 1.0 + 2**-12))  # not in the optimizer
+            self.net[0].bias.requires_grad_(False)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD([p for n, p in self.net.named_parameters() if p.requires_grad], lr=0.1)
+
+    model = Partly()
+    frozen_before = model.net[0].bias.detach().clone()
+    plugin = MixedPrecisionPlugin("bf16")
+    seen = {}
+
+    class Look(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            seen["masters"] = len(plugin._masters.masters)
+            seen["extra"] = pl_module.extra.dtype
+
+    fit(model, plugin, max_steps=2, callbacks=[Look()])
+    assert seen == {"masters": 3, "extra": torch.bfloat16}  # net.0.weight, net.2.weight, net.2.bias
+    assert torch.equal(model.net[0].bias, frozen_before)  # restored exactly, not the bf16 rounding
+    assert torch.equal(model.extra, torch.full((3,), 1.0 + 2**-12))
+
+
+class OneWeight(L.LightningModule):
+    """loss = w * c, so every step's gradient is exactly ``c`` and SGD moves w by lr * c."""
+
+    def __init__(self, c=1.0, lr=1e-4, w0=1.0):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([w0]))
+        self.c, self.lr = c, lr
+
+    def training_step(self, batch, batch_idx):
+        return (self.w * self.c).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def ones(n):
+    return DataLoader(TensorDataset(torch.zeros(n, 1)), batch_size=1)
+
+
+def test_update_far_below_a_bf16_ulp_is_kept_by_master_weights_and_lost_in_pure_bf16(tmp_path):
+    steps = 10
+    reference = torch.tensor([1.0])
+    for _ in range(steps):
+        reference -= 1e-4  # FP32 SGD, the same arithmetic the optimizer does on the master
+
+    model = OneWeight()
+    trainer = fit(model, MixedPrecisionPlugin("bf16"), data=ones(steps), max_steps=steps)
+    trainer.save_checkpoint(tmp_path / "mp.ckpt")
+    saved = torch.load(tmp_path / "mp.ckpt", weights_only=False)["state_dict"]["w"]
+    assert saved.dtype == torch.float32
+    assert torch.equal(saved, reference)  # moved by exactly the sum of the updates
+    assert torch.equal(model.w.detach(), reference)
+
+    # Lightning's bf16-true: 1.0 - 1e-4 rounds back to 1.0 in bf16 (half-ulp at 1.0 is 2^-8), every step
+    native = OneWeight()
+    fit(native, HalfPrecision("bf16-true"), data=ones(steps), max_steps=steps)
+    assert native.w.item() == 1.0
+
+
+def test_gradient_accumulation_sums_micro_batches_in_fp32():
+    class TwoMicro(OneWeight):
+        def training_step(self, batch, batch_idx):
+            c = 1.0 if batch_idx % 2 == 0 else 2.0**-9  # 1 + 2^-9 is not representable in bf16
+            return (self.w * c).sum()
+
+    model = TwoMicro(lr=1.0, w0=0.0)
+    fit(model, MixedPrecisionPlugin("bf16"), data=ones(2), max_steps=1, accumulate_grad_batches=2)
+    assert model.w.item() == -(1.0 + 2.0**-9) / 2  # Lightning averages the micro-batch losses
+
+    native = TwoMicro(lr=1.0, w0=0.0)
+    fit(native, HalfPrecision("bf16-true"), data=ones(2), max_steps=1, accumulate_grad_batches=2)
+    assert native.w.float().item() == -0.5  # the small micro-batch vanished in the bf16 sum
+
+
+# ---------------------------------------------------------------------------------------------- loss scaling
+class TinyGrad(L.LightningModule):
+    """A gradient of 1e-8 for ``w``: below FP16's smallest subnormal (2^-24 ~ 6e-8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.grads = []
+
+    def training_step(self, batch, batch_idx):
+        x = torch.full((4,), 1e-4, dtype=torch.float16)  # normal in fp16 (2^-14 ~ 6.1e-5)
+        # the product and its sum are FP16 (where 1e-8 gradients die); the loss itself is FP32, as autocast and
+        # the FP32 policy make it: an FP16 loss could not even hold the backward seed, which equals the scale
+        return (self.w * x).sum().float() * 1e-4
+
+    def on_before_optimizer_step(self, optimizer):
+        self.grads.append(dict(self.trainer.precision_plugin.named_grads())["w"].clone())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_gradients_around_1e_8_flush_to_zero_in_fp16_without_scaling_and_survive_with_it():
+    unscaled = TinyGrad()
+    fit(unscaled, MixedPrecisionPlugin("fp16", loss_scale=None), data=ones(1), max_steps=1)
+    assert torch.count_nonzero(unscaled.grads[0]) == 0
+
+    scaled = TinyGrad()
+    fit(scaled, MixedPrecisionPlugin("fp16"), data=ones(1), max_steps=1)
+    g = scaled.grads[0]
+    assert g.dtype == torch.float32
+    torch.testing.assert_close(g, torch.full((4,), 1e-8), rtol=2**-10, atol=0)
+
+
+class Snapshot(Callback):
+    """Masters and optimizer state at the end of every training batch."""
+
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        plugin = trainer.precision_plugin
+        opt = trainer.optimizers[0]
+        state = {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()}
+        self.rows.append(
+            dict(
+                weights=copy.deepcopy(pl_module.state_dict()),
+                opt_state=state,
+                scale=plugin.loss_scale,
+                skipped=plugin.skipped_steps,
+                last=plugin.last_step_skipped,
+            )
+        )
+
+
+def same_tree(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_tree(a[k], b[k]) for k in a)
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("fault", [float("inf"), float("nan")])
+def test_overflow_step_is_skipped_weights_and_optimizer_state_unchanged_scale_backs_off(precision, fault):
+    snap = Snapshot()
+    plugin = MixedPrecisionPlugin(precision, **FP16_SAFE)
+    fit(TinyRegressor(fault_at={3}, fault=fault), plugin, max_steps=6, callbacks=[snap])
+    before, at = snap.rows[2], snap.rows[3]
+    assert at["last"] and at["skipped"] == 1 and not before["last"]
+    assert same_tree(before["weights"], at["weights"])
+    assert same_tree(before["opt_state"], at["opt_state"])
+    if precision == "fp16":
+        assert at["scale"] == before["scale"] / 2
+    else:
+        assert at["scale"] == 1.0
+    assert not same_tree(at["weights"], snap.rows[4]["weights"])  # training goes on
+    assert plugin.skipped_steps == 1 and not plugin.last_step_skipped
+
+
+def test_nan_at_every_step_stops_with_step_scale_and_hint():
+    plugin = MixedPrecisionPlugin("bf16", max_consecutive_skips=5)
+    with pytest.raises(FloatingPointError, match=r"step \d+ with loss scale 1.*5 optimizer steps in a row.*HINT"):
+        fit(TinyRegressor(fault_at=set(range(100)), fault=float("nan")), plugin, max_steps=50)
+
+
+def test_fp16_persistent_overflow_stops_at_min_scale():
+    plugin = MixedPrecisionPlugin("fp16", init_scale=8.0, min_scale=1.0)
+    with pytest.raises(FloatingPointError, match="below min_scale=1"):
+        fit(TinyRegressor(fault_at=set(range(100))), plugin, max_steps=50)
+    assert plugin.skipped_steps == 4  # 8 -> 4 -> 2 -> 1 -> (0.5 refused)
+
+
+def test_dynamic_scale_grows_after_clean_interval():
+    plugin = MixedPrecisionPlugin("fp16", init_scale=4.0, growth_interval=2)
+    fit(TinyRegressor(), plugin, max_steps=6)
+    assert plugin.loss_scale == 32.0 and plugin.skipped_steps == 0
+
+
+# ---------------------------------------------------------------------------------------------- clipping
+def sgd_update(plugin, clip_val, algorithm):
+    L.seed_everything(0)
+    model = TinyRegressor(optimizer="sgd", lr=1.0)
+    before = {k: v.clone().float() for k, v in model.state_dict().items()}
+    fit(model, plugin, max_steps=1, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
+    return {k: before[k] - v.float() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_clipping_acts_on_unscaled_fp32_master_gradients(algorithm):
+    clip = 0.05
+    ours = sgd_update(MixedPrecisionPlugin("fp16", init_scale=2.0**10), clip, algorithm)
+    ref = sgd_update(None, clip, algorithm)
+    if algorithm == "norm":
+        total = torch.linalg.vector_norm(torch.cat([u.flatten() for u in ours.values()]))
+        assert total == pytest.approx(clip, rel=1e-3)
+    else:
+        assert max(u.abs().max().item() for u in ours.values()) == pytest.approx(clip, rel=1e-6)
+    for k in ref:  # the same update as FP32 training, to FP16 forward/backward accuracy
+        torch.testing.assert_close(ours[k], ref[k], rtol=2**-6, atol=clip * 2**-6)
+
+
+@pytest.mark.parametrize("optimizer", ["adam_fused", "adam_foreach"])
+def test_foreach_and_fused_optimizers_train_and_clip(optimizer):
+    L.seed_everything(0)
+    ref = TinyRegressor(optimizer=optimizer)
+    fit(ref, None, max_steps=5, gradient_clip_val=0.5)
+    L.seed_everything(0)
+    model = TinyRegressor(optimizer=optimizer)
+    fit(model, MixedPrecisionPlugin("bf16"), max_steps=5, gradient_clip_val=0.5)
+    for (k, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.01, msg=k)
+
+
+def test_lbfgs_with_dynamic_scale_is_refused_clearly_and_works_in_bf16():
+    with pytest.raises(ValueError, match="LBFGS.*loss_scale='dynamic'"):
+        fit(TinyRegressor(optimizer="lbfgs", lr=0.1), MixedPrecisionPlugin("fp16"), max_steps=2)
+    model = TinyRegressor(optimizer="lbfgs", lr=0.1)
+    start = copy.deepcopy(model.state_dict())
+    fit(model, MixedPrecisionPlugin("bf16"), max_steps=2)
+    assert not same_tree(start, model.state_dict())
+
+
+# ---------------------------------------------------------------------------------------------- manual optimization
+class TwoOptimizers(L.LightningModule):
+    """GAN-style manual optimization: two sub-nets, two optimizers, both step every batch."""
+
+    def __init__(self, fault_at=()):
+        super().__init__()
+        self.automatic_optimization = False
+        self.g = nn.Linear(8, 8)
+        self.d = nn.Linear(8, 1)
+        self.fault_at = set(fault_at)
+        self.steps_taken = 0
+
+    def training_step(self, batch, batch_idx):
+        opt_g, opt_d = self.optimizers()
+        x, y = batch
+        loss_d = nn.functional.mse_loss(self.d(self.g(x).detach()).float(), y)
+        opt_d.zero_grad()
+        self.manual_backward(loss_d * (float("inf") if batch_idx in self.fault_at else 1.0))
+        opt_d.step()
+        loss_g = self.d(self.g(x)).float().pow(2).mean()
+        opt_g.zero_grad()
+        self.manual_backward(loss_g)
+        opt_g.step()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.g.parameters(), lr=1e-3), torch.optim.Adam(self.d.parameters(), lr=1e-3)
+
+
+def test_manual_optimization_two_optimizers_update_the_scale_once_per_training_step():
+    plugin = MixedPrecisionPlugin("fp16", init_scale=4.0, growth_interval=2)
+    model = TwoOptimizers()
+    start = copy.deepcopy(model.state_dict())
+    fit(model, plugin, max_steps=8)  # 8 optimizer steps = 4 training steps
+    assert plugin.loss_scale == 16.0  # two growths, not four
+    for k, v in model.state_dict().items():
+        assert not torch.equal(v, start[k]), k
+
+
+def test_manual_optimization_overflow_in_first_optimizer_skips_both_and_backs_off_once():
+    plugin = MixedPrecisionPlugin("fp16", init_scale=64.0, growth_interval=100)
+    snap = Snapshot()
+    model = TwoOptimizers(fault_at={1})
+    fit(model, plugin, max_steps=6, callbacks=[snap])
+    before, at = snap.rows[0], snap.rows[1]
+    assert same_tree(before["weights"], at["weights"])  # neither sub-net moved
+    assert at["scale"] == 32.0 and at["skipped"] == 1
+    assert plugin.loss_scale == 32.0
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def test_checkpoint_holds_fp32_masters_and_loads_into_a_plain_fp32_model(tmp_path):
+    model = TinyRegressor()
+    plugin = MixedPrecisionPlugin("bf16")
+    captured = {}
+
+    class Grab(Callback):
+        def on_train_end(self, trainer, pl_module):
+            trainer.save_checkpoint(tmp_path / "last.ckpt")
+            captured["rounded"] = {k: v.detach().clone() for k, v in pl_module.named_parameters()}
+            captured["masters"] = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+    fit(model, plugin, max_steps=5, callbacks=[Grab()])
+    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert {v.dtype for v in ckpt["state_dict"].values()} == {torch.float32}
+    assert same_tree(ckpt["state_dict"], captured["masters"])
+    assert captured["rounded"]["net.0.weight"].dtype == torch.bfloat16
+    assert not torch.equal(captured["rounded"]["net.0.weight"].float(), ckpt["state_dict"]["net.0.weight"])
+    assert ckpt["MixedPrecisionPlugin"]["scaler"]["skipped_steps"] == 0
+
+    loaded = TinyRegressor.load_from_checkpoint(tmp_path / "last.ckpt")
+    assert same_tree(loaded.state_dict(), ckpt["state_dict"])
+
+
+def test_bf16_checkpoint_resumes_in_fp16_and_fp32(tmp_path):
+    trainer = fit(TinyRegressor(), MixedPrecisionPlugin("bf16"), max_steps=3)
+    trainer.save_checkpoint(tmp_path / "bf16.ckpt")
+    for precision in ("fp16", "fp32"):
+        plugin = MixedPrecisionPlugin(precision, **FP16_SAFE)
+        trainer = L.Trainer(plugins=[plugin], max_steps=6, **trainer_kwargs())
+        model = TinyRegressor()
+        trainer.fit(model, regression_data(), ckpt_path=tmp_path / "bf16.ckpt")
+        assert trainer.global_step == 6
+        assert plugin.loss_scale == (2.0**8 if precision == "fp16" else 1.0)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_resume_continues_bit_for_bit(tmp_path, precision):
+    def plugin():
+        # a short growth interval and one overflow, so the scaler state (tracker, hysteresis) matters
+        return MixedPrecisionPlugin(precision, init_scale=2.0**6, growth_interval=3, hysteresis=2)
+
+    faults = {2, 9}  # resume at an epoch boundary (8 batches): Lightning restarts a plain DataLoader's epoch
+    L.seed_everything(0)
+    straight, straight_plugin = TinyRegressor(fault_at=faults), plugin()
+    fit(straight, straight_plugin, max_epochs=2)
+
+    L.seed_everything(0)
+    first = TinyRegressor(fault_at=faults)
+    trainer = fit(first, plugin(), max_epochs=1)
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    second = TinyRegressor(fault_at=faults)
+    second.seen_batches = 8
+    resumed_plugin = plugin()
+    trainer = L.Trainer(plugins=[resumed_plugin], max_epochs=2, **trainer_kwargs())
+    trainer.fit(second, regression_data(), ckpt_path=tmp_path / "mid.ckpt")
+    assert trainer.global_step == 16
+    assert same_tree(second.state_dict(), straight.state_dict())
+    assert resumed_plugin.skipped_steps == 2
+    assert resumed_plugin.scaler.state_dict() == straight_plugin.scaler.state_dict()  # scale, trackers, counts
+
+
+def test_fp32_is_a_bit_exact_passthrough():
+    L.seed_everything(0)
+    plain = TinyRegressor()
+    L.seed_everything(0)
+    ours = TinyRegressor()
+    fit(plain, None, max_steps=8, gradient_clip_val=0.3)
+    fit(ours, MixedPrecisionPlugin("fp32"), max_steps=8, gradient_clip_val=0.3)
+    assert same_tree(plain.state_dict(), ours.state_dict())
+
+
+# ---------------------------------------------------------------------------------------------- eval loops
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_validation_and_predict_run_in_16_bits_and_leave_the_model_fp32(precision, dtype):
+    model = TinyRegressor()
+    before = copy.deepcopy(model.state_dict())
+    trainer = L.Trainer(plugins=[MixedPrecisionPlugin(precision)], **trainer_kwargs())
+    out = trainer.predict(model, regression_data())
+    assert out[0].dtype == dtype
+    trainer.validate(model, regression_data())
+    assert same_tree(before, model.state_dict())  # nothing rounded by an eval-only run
+
+
+def test_model_building_fp32_tensors_inside_forward_still_trains_in_16_bits():
+    class BuildsFp32(TinyRegressor):
+        def forward(self, x):
+            bias = torch.ones(x.shape[-1])  # FP32, made inside forward
+            return self.net(x + bias)
+
+    model = BuildsFp32()
+    fit(model, MixedPrecisionPlugin("bf16"), max_steps=3)
+    fit(model, MixedPrecisionPlugin("fp16", **FP16_SAFE), max_steps=3)
