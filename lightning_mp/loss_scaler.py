@@ -111,6 +111,8 @@ class LossScaler:
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.last_step_skipped = False
+        self.last_step_scale = self.scale  # the scale the most recent step's backward used
+        self.steps = 0  # state-machine updates so far: training steps, skipped ones included
         self._inv_scale: Tensor | None = None
 
     @property
@@ -165,6 +167,8 @@ class LossScaler:
     def update(self, found_inf: bool, step: int | None = None) -> None:
         """Advance the state machine by one optimizer step (call once per training step)."""
         self.last_step_skipped = bool(found_inf)
+        self.last_step_scale = self.scale
+        self.steps += 1
         if not found_inf:
             self.consecutive_skips = 0
             if self.dynamic:
@@ -206,6 +210,8 @@ class LossScaler:
             "skipped_steps": self.skipped_steps,
             "consecutive_skips": self.consecutive_skips,
             "last_step_skipped": self.last_step_skipped,
+            "last_step_scale": self.last_step_scale,
+            "steps": self.steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -224,6 +230,8 @@ class LossScaler:
         self.skipped_steps = int(state["skipped_steps"])
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
         self.last_step_skipped = bool(state.get("last_step_skipped", False))
+        self.last_step_scale = float(state.get("last_step_scale", self.scale))
+        self.steps = int(state.get("steps", 0))
 
 
 def _check_number(name: str, value: Any, low: float, low_open: bool = False, high: float | None = None) -> None:

@@ -123,7 +123,18 @@ class MixedPrecisionPlugin(Precision):
 
     @property
     def last_step_skipped(self) -> bool:
+        """Whether the most recent training step was skipped."""
         return self.scaler.last_step_skipped
+
+    @property
+    def last_step_scale(self) -> float:
+        """The scale the most recent training step's backward used (before that step's update)."""
+        return self.scaler.last_step_scale
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Training steps the scaler has seen (applied and skipped); moves once per step, several optimizers or not."""
+        return self.scaler.steps
 
     @property
     def dtype(self) -> torch.dtype:

@@ -1,0 +1,179 @@
+"""Step time and model-state memory: lightning_mp against Lightning's own mixed precision, interleaved.
+
+    python examples/benchmark.py                 # the small GPT, CPU or CUDA, whichever is present
+    python examples/benchmark.py --rounds 6 --steps 10
+
+Every variant trains the same GPT (4 layers, 256 wide, batch 16 x 128 bytes of stdlib text) for ``--steps``
+steps per round; the variants take turns within each round, so a noisy machine slows them alike. Each step is
+timed from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, unscale/check, optimizer
+step); the first ``--warmup`` steps of every round are dropped. The table reports median step time, the ratio
+to the reference variant measured in the same run, and model-state bytes per parameter (parameters,
+gradients, FP32 masters and optimizer state, counted once per storage at the end of a step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_mp import MixedPrecisionPlugin
+from lightning_mp.demos import GPT, StdlibTextDataModule
+
+
+class StepTimer(Callback):
+    """Wall time of each training step; synchronizes CUDA so queued kernels are counted in their step."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.state_bytes = 0
+        self.num_params = 0
+        self._t0 = 0.0
+
+    def _sync(self, pl_module: L.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._sync(pl_module)
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._sync(pl_module)
+        self.times.append(time.perf_counter() - self._t0)
+        self.state_bytes, self.num_params = model_state_bytes(pl_module, trainer.optimizers)
+
+
+def model_state_bytes(module: torch.nn.Module, optimizers) -> tuple[int, int]:
+    """Bytes of every distinct storage behind parameters, gradients, optimizer params and optimizer state."""
+    seen: dict[int, int] = {}
+
+    def add(t):
+        if isinstance(t, torch.Tensor):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    for p in module.parameters():
+        add(p)
+        add(p.grad)
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                add(p)
+                add(p.grad)
+        for state in opt.state.values():
+            for v in state.values():
+                add(v)
+    num_params = sum(p.numel() for p in module.parameters())
+    return sum(seen.values()), num_params
+
+
+@dataclass
+class Variant:
+    name: str
+    plugin: Callable[[], object] | None
+    reference: str | None = None  # name of the variant this one is compared with
+    callbacks: Callable[[], list] = list
+    timer_times: list[float] = field(default_factory=list)
+    bytes_per_param: float = 0.0
+
+
+def variants(device: str) -> list[Variant]:
+    return [
+        Variant("native bf16-mixed", lambda: MixedPrecision("bf16-mixed", device)),
+        Variant("lightning_mp bf16", lambda: MixedPrecisionPlugin("bf16"), reference="native bf16-mixed"),
+        Variant("native 16-mixed", lambda: MixedPrecision("16-mixed", device)),
+        Variant("lightning_mp fp16", lambda: MixedPrecisionPlugin("fp16"), reference="native 16-mixed"),
+        Variant("lightning_mp bf16, empty FP32 policy", lambda: MixedPrecisionPlugin("bf16", fp32_ops=(), fp32_modules=())),
+        Variant(
+            "lightning_mp bf16, default FP32 policy",
+            lambda: MixedPrecisionPlugin("bf16"),
+            reference="lightning_mp bf16, empty FP32 policy",
+        ),
+    ]
+
+
+def run_round(variant: Variant, datamodule, args, accelerator: str) -> None:
+    L.seed_everything(0, verbose=False)
+    model = GPT(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size)
+    timer = StepTimer()
+    plugins = [variant.plugin()] if variant.plugin else []
+    trainer = L.Trainer(
+        accelerator=accelerator,
+        devices=1,
+        max_steps=args.steps,
+        plugins=plugins,
+        callbacks=[timer, *variant.callbacks()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(model, datamodule)
+    variant.timer_times.extend(timer.times[args.warmup :])
+    variant.bytes_per_param = timer.state_bytes / max(timer.num_params, 1)
+
+
+def main(argv=None) -> list[Variant]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of interleaved runs")
+    parser.add_argument("--steps", type=int, default=8, help="training steps per variant per round")
+    parser.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of every round")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--only", nargs="*", help="run only variants whose name contains one of these words")
+    args = parser.parse_args(argv)
+    for name in ("rounds", "steps", "batch_size", "block_size", "n_layer", "n_embd", "n_head"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)!r} must be >= 1")
+    if not 0 <= args.warmup < args.steps:
+        parser.error(f"--warmup={args.warmup!r} must be in [0, --steps)")
+
+    accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    device = accelerator
+    chosen = variants(device)
+    if args.only:
+        names = {v.reference for v in chosen if any(w in v.name for w in args.only)} | {
+            v.name for v in chosen if any(w in v.name for w in args.only)
+        }
+        chosen = [v for v in chosen if v.name in names]
+    datamodule = StdlibTextDataModule(block_size=args.block_size, batch_size=args.batch_size, max_bytes=2**21)
+    print(f"device: {device} ({torch.cuda.get_device_name() if device == 'cuda' else f'{torch.get_num_threads()} threads'})"
+          f", torch {torch.__version__}, lightning {L.__version__}")
+    print(f"GPT {args.n_layer}x{args.n_embd}, batch {args.batch_size}x{args.block_size}; "
+          f"{args.rounds} rounds x {args.steps} steps, {args.warmup} warm-up steps dropped per round\n")
+    for r in range(args.rounds):
+        for v in chosen:
+            run_round(v, datamodule, args, accelerator)
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+
+    by_name = {v.name: v for v in chosen}
+    print()
+    print(f"| {'variant':40s} | median step (ms) | ratio to reference | model-state bytes/param |")
+    print(f"|{'-' * 42}|------------------|--------------------|-------------------------|")
+    for v in chosen:
+        med = statistics.median(v.timer_times) * 1e3
+        ratio = ""
+        if v.reference in by_name:
+            ratio = f"{statistics.median(v.timer_times) / statistics.median(by_name[v.reference].timer_times):.3f}"
+        print(f"| {v.name:40s} | {med:16.1f} | {ratio:>18s} | {v.bytes_per_param:23.1f} |")
+    print()
+    for v in chosen:
+        if v.reference in by_name:
+            ratio = statistics.median(v.timer_times) / statistics.median(by_name[v.reference].timer_times)
+            print(f"RATIO {v.name} / {v.reference}: {ratio:.3f}")
+    return chosen
+
+
+if __name__ == "__main__":
+    main()
