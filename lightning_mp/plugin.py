@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Generator, Iterator
 from typing import Any, Callable
 
@@ -39,7 +40,9 @@ from lightning_mp.loss_scaler import (
     DEFAULT_MIN_SCALE,
     LossScaler,
 )
+from lightning_mp.distributed import agree_on_overflow_, average_across_ranks_, world_size
 from lightning_mp.master_weights import MasterWeights
+from lightning_mp.scheduler_guard import SchedulerGuard
 
 _STATE_VERSION = 1
 
@@ -62,6 +65,9 @@ class MixedPrecisionPlugin(Precision):
             default :data:`lightning_mp.DEFAULT_FP32_OPS`.
         fp32_modules: module classes whose parameters stay FP32 and whose forward runs in FP32,
             default :data:`lightning_mp.DEFAULT_FP32_MODULES` (the norm layers).
+        skip_scheduler_on_overflow: ``interval="step"`` learning-rate schedulers do not advance on a skipped step
+            (Lightning's default moves them on every step, skipped or not). ``trainer.global_step`` still counts
+            every training step; :attr:`skipped_steps` says how many were skipped.
     """
 
     def __init__(
@@ -80,6 +86,7 @@ class MixedPrecisionPlugin(Precision):
         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
         fp32_ops: Any = DEFAULT_FP32_OPS,
         fp32_modules: Any = DEFAULT_FP32_MODULES,
+        skip_scheduler_on_overflow: bool = True,
     ) -> None:
         super().__init__()
         self.format: Format = resolve_precision(precision)
@@ -100,12 +107,18 @@ class MixedPrecisionPlugin(Precision):
             max_scale=max_scale,
             max_consecutive_skips=max_consecutive_skips,
         )
+        if not isinstance(skip_scheduler_on_overflow, bool):
+            raise ValueError(
+                f"skip_scheduler_on_overflow={skip_scheduler_on_overflow!r} is not allowed: use True or False."
+            )
+        self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
         self.policy = Fp32Policy(fp32_ops, fp32_modules)
         self._masters: MasterWeights | None = None
         self._device_type = "cpu"
         self._module: nn.Module | None = None
         self._lightning_module: LightningModule | None = None
         self._handles: list[Any] = []
+        self._reduce_master_grads = False
         self._skip_this_step = False
         self._batch_steps = 0
         self._batch_found_inf = False
@@ -181,6 +194,7 @@ class MixedPrecisionPlugin(Precision):
         self._lightning_module = _find_lightning_module(model)
         first = next(model.parameters(), None)
         self._device_type = first.device.type if first is not None else "cpu"
+        _check_device_supports(self.format, self._device_type)
         for opt in optimizers:
             if isinstance(opt, LBFGS) and self.scaler.dynamic:
                 raise ValueError(
@@ -190,6 +204,15 @@ class MixedPrecisionPlugin(Precision):
                 )
             if self._masters is not None:
                 self._masters.attach(opt)
+        if self._masters is not None and hasattr(model, "require_backward_grad_sync") and world_size() > 1:
+            # DDP would average the 16-bit gradients of each micro-batch; we average the FP32 master gradients
+            # once per step instead (see lightning_mp.distributed). DDP's no_sync() restores the old value, so
+            # this stays off for the whole run.
+            model.require_backward_grad_sync = False
+            self._reduce_master_grads = True
+        if self.skip_scheduler_on_overflow:
+            step_schedulers = [c.scheduler for c in lr_schedulers if getattr(c, "interval", "epoch") == "step"]
+            self._handles.append(SchedulerGuard(step_schedulers, lambda: self.scaler.last_step_skipped))
         if self.format.is_16bit:
             self._handles.append(self.policy.install(model, self._device_type))
         if self._masters is not None and self._lightning_module is not None:
@@ -281,8 +304,15 @@ class MixedPrecisionPlugin(Precision):
     def _unscale_and_check(self, optimizer: Optimizer) -> bool:
         if self._masters is not None:
             self._masters.fold_grads()  # grads of a bare loss.backward() that bypassed post_backward
+        if self._reduce_master_grads:
+            # every rank must reduce the same list: a parameter without a gradient here contributes zeros
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            average_across_ranks_([p.grad for p in params])
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        found = self.scaler.unscale_and_check_(grads)
+        found = agree_on_overflow_(self.scaler.unscale_and_check_(grads))
         return bool(found.item())  # host sync: the one per step that deciding skip-or-step needs
 
     def _update_scale(self, found_inf: bool) -> None:
@@ -323,7 +353,9 @@ class MixedPrecisionPlugin(Precision):
     # ------------------------------------------------------------------ checkpoints
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Reseed the masters from the checkpoint's FP32 values (the model was loaded, then rounded to 16 bits)."""
+        """Reseed the masters from the checkpoint's FP32 values (the model was loaded, then rounded to 16 bits),
+        and take over the scale of a checkpoint written by Lightning's own ``16-mixed`` (its GradScaler state)."""
+        self._load_native_scaler_state(checkpoint)
         module = self._lightning_module
         weights = checkpoint.get("state_dict")
         if self._masters is None or module is None or not weights:
@@ -337,6 +369,25 @@ class MixedPrecisionPlugin(Precision):
                     if self._masters.master_of(param) is None:
                         param.copy_(saved)  # a frozen param: its 16-bit copy is refreshed here, not by a step
             self._masters.copy_to_model()
+
+    def _load_native_scaler_state(self, checkpoint: dict[str, Any]) -> None:
+        native = checkpoint.get("MixedPrecision") or checkpoint.get("native_amp_scaling_state")
+        if type(self).__qualname__ in checkpoint or not isinstance(native, dict) or "scale" not in native:
+            return
+        if not self.scaler.dynamic:
+            return  # a static or disabled scaler keeps its configured scale
+        scale = float(native["scale"])
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"the checkpoint's GradScaler scale {scale!r} is not a positive finite number.")
+        self.scaler.load_state_dict(
+            {
+                "mode": "dynamic",
+                "scale": scale,
+                "growth_tracker": int(native.get("_growth_tracker", 0)),
+                "hysteresis_tracker": self.scaler.hysteresis,
+                "skipped_steps": 0,
+            }
+        )
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -366,6 +417,22 @@ def _fp32_state_dict_hook(
             value = masters.fp32_value(param)
             if value is not None:
                 state_dict[key] = value
+
+
+def _check_device_supports(fmt: Format, device_type: str) -> None:
+    """Fail at setup, not mid-run, when the device cannot compute in the requested format."""
+    if not fmt.is_16bit:
+        return
+    if not torch.amp.is_autocast_available(device_type):
+        raise RuntimeError(
+            f"precision={fmt.name!r} needs autocast on the {device_type!r} device, which this torch build does not "
+            "support. HINT: use precision='fp32', or run on 'cpu' or 'cuda'."
+        )
+    if device_type == "cuda" and fmt.dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise RuntimeError(
+            f"precision='bf16' was requested but {torch.cuda.get_device_name()} has no bfloat16 support. "
+            "HINT: use precision='fp16' (with dynamic loss scaling) on this GPU."
+        )
 
 
 def _find_lightning_module(model: nn.Module) -> LightningModule | None:

@@ -1,0 +1,53 @@
+"""Keep the learning-rate schedule still on skipped steps.
+
+Lightning steps ``interval="step"`` schedulers after every optimizer step it asked for, including steps the
+loss scaler skipped (Lightning issues 5558, 18828): with FP16 at a high initial scale the first steps are all
+skipped and the warm-up schedule runs ahead of the weights. The guard makes ``scheduler.step()`` a no-op when
+the training step it follows was skipped.
+
+Mechanism: the scheduler's class is swapped for a subclass whose ``step`` checks the flag, and swapped back at
+teardown. A subclass, not a wrapper object, so ``isinstance`` checks, ``state_dict()`` (which copies the
+instance ``__dict__``) and Lightning's own scheduler handling see the scheduler exactly as before.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+_GUARDED: dict[type, type] = {}
+# scheduler -> its skip predicate; outside the instance so state_dict() (a copy of __dict__) never sees it
+_SKIP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _guarded_class(cls: type) -> type:
+    if cls not in _GUARDED:
+
+        def step(self, *args: Any, **kwargs: Any) -> None:
+            skip = _SKIP.get(self)
+            if skip is not None and skip():
+                return
+            cls.step(self, *args, **kwargs)
+
+        _GUARDED[cls] = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
+    return _GUARDED[cls]
+
+
+class SchedulerGuard:
+    """Holds schedulers still while ``skip()`` is true; ``remove()`` restores them."""
+
+    def __init__(self, schedulers: list[Any], skip: Callable[[], bool]) -> None:
+        self._schedulers = []
+        for scheduler in schedulers:
+            if not callable(getattr(scheduler, "step", None)) or type(scheduler) in _GUARDED.values():
+                continue
+            original = type(scheduler)
+            scheduler.__class__ = _guarded_class(original)
+            _SKIP[scheduler] = skip
+            self._schedulers.append((scheduler, original))
+
+    def remove(self) -> None:
+        for scheduler, original in self._schedulers:
+            scheduler.__class__ = original
+            _SKIP.pop(scheduler, None)
+        self._schedulers.clear()
