@@ -5,6 +5,8 @@
 
 from lightning_mp.formats import PRECISION_ALIASES, Format, resolve_precision
 from lightning_mp.fp32_policy import DEFAULT_FP32_MODULES, DEFAULT_FP32_OPS, Fp32Policy
+from lightning_mp.gradient_range_monitor import GradientRangeMonitor
+from lightning_mp.loss_scale_monitor import LossScaleMonitor
 from lightning_mp.loss_scaler import LossScaler
 from lightning_mp.plugin import MixedPrecisionPlugin
 
@@ -15,6 +17,8 @@ __all__ = [
     "DEFAULT_FP32_OPS",
     "Format",
     "Fp32Policy",
+    "GradientRangeMonitor",
+    "LossScaleMonitor",
     "LossScaler",
     "MixedPrecisionPlugin",
     "PRECISION_ALIASES",

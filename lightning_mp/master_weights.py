@@ -131,13 +131,6 @@ class MasterWeights:
             return master.detach()
         return self._originals.get(param)
 
-    def named_grads(self, module: nn.Module) -> Iterator[tuple[str, Tensor]]:
-        """(name, FP32 gradient) for every parameter of ``module`` whose gradient the optimizers will read."""
-        for name, p in module.named_parameters():
-            master = self._master_of.get(p, p)
-            if master.grad is not None:
-                yield name, master.grad
-
     # ------------------------------------------------------------------ teardown
     @torch.no_grad()
     def restore(self) -> None:

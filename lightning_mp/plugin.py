@@ -153,14 +153,21 @@ class MixedPrecisionPlugin(Precision):
     def dtype(self) -> torch.dtype:
         return self.format.dtype
 
-    def named_grads(self) -> Iterator[tuple[str, Tensor]]:
-        """(parameter name, FP32 gradient the optimizer reads). Unscaled from ``on_before_optimizer_step`` on."""
+    def named_grads(self, optimizer: Optimizer | None = None) -> Iterator[tuple[str, Tensor]]:
+        """(parameter name, FP32 gradient the optimizer reads), for one optimizer's parameters or all of them.
+
+        In ``on_before_optimizer_step(optimizer)`` the gradients of that optimizer are unscaled (true values); with
+        several optimizers, another optimizer's gradients may still be scaled until its own step.
+        """
         module = self._lightning_module or self._module
         if module is None:
-            return iter(())
-        if self._masters is not None:
-            return self._masters.named_grads(module)
-        return ((n, p.grad) for n, p in module.named_parameters() if p.grad is not None)
+            return
+        allowed = None if optimizer is None else {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for name, p in module.named_parameters():
+            main = self._masters.master_of(p) if self._masters is not None else None
+            main = p if main is None else main
+            if main.grad is not None and (allowed is None or id(main) in allowed):
+                yield name, main.grad
 
     def describe(self) -> str:
         """A Markdown summary of this plugin's settings and its FP32 policy."""

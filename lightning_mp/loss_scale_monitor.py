@@ -1,0 +1,122 @@
+"""Log the loss scale and the running count of skipped steps to every logger, one point per optimizer step.
+
+Everything logged here is a Python number the plugin already holds on the host (the scale and the skip counter
+live there, see :mod:`lightning_mp.loss_scaler`), so this callback adds no device sync and no device work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from lightning_mp.plugin import MixedPrecisionPlugin
+
+
+class LossScaleMonitor(Callback):
+    """Logs the loss scale each training step used and how many steps were skipped so far.
+
+    One point per training step that ran an optimizer step: under gradient accumulation only the micro-batch
+    that steps logs, and with manual optimization several optimizers stepping in one ``training_step`` still
+    make one point (the plugin moves its scale once per training step). Points are logged at Lightning's logger
+    step (the x-axis ``self.log`` uses), so they line up with the loss curve.
+
+    ================================  =====================================================================
+    Key                               Logged value
+    ================================  =====================================================================
+    ``precision/loss_scale``          the scale the step's backward used (float; ``1.0`` when scaling is off).
+                                      A step that overflows shows the scale that overflowed; the backed-off
+                                      scale appears on the next step.
+    ``precision/skipped_steps``       optimizer steps skipped so far because their gradients held inf/NaN
+                                      (running total; it counts up on the skipped step itself)
+    ================================  =====================================================================
+
+    Args:
+        logging_interval: log every this many steps (at steps ``n-1, 2n-1, ...``, Lightning's convention).
+            ``None`` (default) follows the Trainer's ``log_every_n_steps``, so ``log_every_n_steps=0`` turns it
+            off as it does ``self.log``.
+
+    Raises:
+        MisconfigurationException: at ``fit`` when the Trainer has no logger, or its precision plugin is not
+            :class:`lightning_mp.MixedPrecisionPlugin`.
+
+    Example::
+
+        Trainer(
+            plugins=[MixedPrecisionPlugin("fp16")], callbacks=[LossScaleMonitor()], logger=TensorBoardLogger("logs")
+        )
+    """
+
+    def __init__(self, logging_interval: int | None = None) -> None:
+        if logging_interval is not None and (
+            isinstance(logging_interval, bool) or not isinstance(logging_interval, int) or logging_interval < 1
+        ):
+            raise ValueError(
+                f"logging_interval={logging_interval!r} is not allowed: use an integer >= 1 (log every that many "
+                "optimizer steps) or None (follow the Trainer's log_every_n_steps)."
+            )
+        self.logging_interval = logging_interval
+        self._plugin: MixedPrecisionPlugin | None = None
+        self._seen_steps = 0
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        _require_logger(trainer, type(self).__name__)
+        self._plugin = _require_plugin(trainer, type(self).__name__)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after a checkpoint restore, so a resumed run does not log the restored count as a new step
+        self._seen_steps = self._plugin.optimizer_steps if self._plugin is not None else 0
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        plugin = self._plugin
+        if plugin is None or plugin.optimizer_steps == self._seen_steps:
+            return  # no optimizer step in this batch (an accumulating micro-batch, or a skipped training_step)
+        self._seen_steps = plugin.optimizer_steps
+        step = _logger_step(trainer)
+        interval = self.logging_interval if self.logging_interval is not None else trainer.log_every_n_steps
+        if not interval or (step + 1) % interval:
+            return
+        metrics = {
+            "precision/loss_scale": float(plugin.last_step_scale),
+            "precision/skipped_steps": float(plugin.skipped_steps),
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+
+def _logger_step(trainer: pl.Trainer) -> int:
+    """The step Lightning's loggers use for this batch: batches that stepped an optimizer so far, counted once per
+    batch whatever the number of optimizers. Lightning has no public name for it; LearningRateMonitor reads the
+    same counter. During the batch's hooks it still holds this batch's index (it moves after ``on_train_batch_end``)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def _require_logger(trainer: pl.Trainer, name: str) -> None:
+    if not trainer.loggers:
+        raise MisconfigurationException(
+            f"Cannot use `{name}` callback with a `Trainer` that has no logger. "
+            "HINT: pass `logger=TensorBoardLogger(save_dir)` (or any Lightning logger) to the Trainer."
+        )
+
+
+def _require_plugin(trainer: pl.Trainer, name: str) -> MixedPrecisionPlugin:
+    plugin = trainer.precision_plugin
+    if not isinstance(plugin, MixedPrecisionPlugin):
+        raise MisconfigurationException(
+            f"`{name}` reads the loss scaler of `lightning_mp.MixedPrecisionPlugin`, but this Trainer's precision "
+            f"plugin is {type(plugin).__name__} (precision={trainer.precision!r}). HINT: add it to the Trainer: "
+            f"`Trainer(plugins=[MixedPrecisionPlugin('fp16')], callbacks=[{name}()])` (use it instead of the "
+            "`precision=` argument)."
+        )
+    return plugin
+
+
+__all__ = ["LossScaleMonitor"]
