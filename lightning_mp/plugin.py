@@ -64,7 +64,8 @@ class MixedPrecisionPlugin(Precision):
         fp32_ops: ops that always compute in FP32 inside the training/eval steps (names or torch callables),
             default :data:`lightning_mp.DEFAULT_FP32_OPS`.
         fp32_modules: module classes whose parameters stay FP32 and whose forward runs in FP32,
-            default :data:`lightning_mp.DEFAULT_FP32_MODULES` (the norm layers).
+            default :data:`lightning_mp.DEFAULT_FP32_MODULES` (the norm layers, and the recurrent layers, which
+            have no FP16 kernel on many CPUs and carry rounding through every time step).
         skip_scheduler_on_overflow: ``interval="step"`` learning-rate schedulers do not advance on a skipped step
             (Lightning's default moves them on every step, skipped or not). ``trainer.global_step`` still counts
             every training step; :attr:`skipped_steps` says how many were skipped.

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from lightning_mp import fp32_policy
 from lightning_mp.fp32_policy import (
@@ -148,6 +150,26 @@ def test_every_dtype_alias_gives_the_fp32_result(policy: Fp32Policy) -> None:
             expected = call(func, x.float())
             assert out.dtype == torch.float32, label
             torch.testing.assert_close(out, expected, msg=label)
+
+
+def test_activation_checkpointing_with_context_fn(policy: Fp32Policy) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+
+    def block(t):
+        return lin(F.softmax(lin(t), dim=-1))
+
+    grads = []
+    for use_checkpoint in (False, True):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16), policy.op_context():
+            if use_checkpoint:
+                y = checkpoint(block, x, use_reentrant=False, context_fn=policy.checkpoint_context_fn())
+            else:
+                y = block(x)
+        y.float().sum().backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
 
 
 def test_empty_policy_is_a_noop() -> None:
@@ -461,11 +483,14 @@ def test_remove_restores_behaviour(policy: Fp32Policy) -> None:
     handle.remove()  # idempotent
     assert [(dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in model.modules()] == before
     h16 = torch.randn(2, 5, 16, dtype=torch.float16)
+    h32 = torch.randn(2, 5, 16)
     with torch.autocast("cpu", dtype=torch.float16):
         assert model.norm(h16).dtype == torch.float16  # CPU autocast's own behaviour
-        # LSTM behaves exactly like one that was never installed (on this CPU oneDNN
-        # has no fp16 LSTM, so both raise; elsewhere both return the same dtype)
-        assert _outcome(lambda: model.lstm(h16)) == _outcome(lambda: pristine.lstm(h16))
+        # The LSTM behaves exactly like one that was never installed. (With oneDNN on
+        # x86, an FP32 input under fp16 autocast raises in both; elsewhere both return
+        # the same dtype.)
+        for h in (h16, h32):
+            assert _outcome(lambda: model.lstm(h)) == _outcome(lambda: pristine.lstm(h))
 
 
 def test_exception_in_forward_restores_autocast(policy: Fp32Policy) -> None:
@@ -493,15 +518,41 @@ def test_exception_in_forward_restores_autocast(policy: Fp32Policy) -> None:
         assert norm(torch.randn(2, 4, dtype=torch.bfloat16)).dtype == torch.float32
 
 
-def test_installed_model_deepcopies(policy: Fp32Policy) -> None:
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_installed_model_can_be_copied(policy: Fp32Policy, how: str) -> None:
     model = _fp16_model(policy)
     with policy.install(model, "cpu"):
-        clone = copy.deepcopy(model)
+        if how == "deepcopy":
+            clone = copy.deepcopy(model)
+        else:
+            clone = pickle.loads(pickle.dumps(model))
     x, state = _inputs()
     with torch.autocast("cpu", dtype=torch.float16):
         clone(x, state)
     assert clone.seen["lstm"] == (torch.float32,) * 3
     assert model.seen == {}  # the copy's hooks act on the copy
+
+
+def test_nested_fp32_modules(policy: Fp32Policy) -> None:
+    """A user-listed block that contains a LayerNorm: both hooked, state unwinds in order."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(4)
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            self.inside = torch.is_autocast_enabled("cpu")
+            return self.lin(self.norm(x))
+
+    custom = Fp32Policy(modules=DEFAULT_FP32_MODULES + (Block,))
+    block = Block()
+    with custom.install(block, "cpu") as handle, torch.autocast("cpu", dtype=torch.bfloat16):
+        assert set(handle.modules) == {block, block.norm}
+        out = block(torch.randn(2, 4, dtype=torch.bfloat16))
+        assert torch.is_autocast_enabled("cpu")
+    assert block.inside is False and out.dtype == torch.float32
 
 
 def test_install_validates_arguments(policy: Fp32Policy) -> None:
