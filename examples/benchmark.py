@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -22,9 +23,10 @@ from typing import Callable
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_mp import MixedPrecisionPlugin
+from lightning_mp import GradientRangeMonitor, LossScaleMonitor, MixedPrecisionPlugin
 from lightning_mp.demos import GPT, StdlibTextDataModule
 
 
@@ -96,6 +98,21 @@ def variants(device: str) -> list[Variant]:
             lambda: MixedPrecisionPlugin("bf16"),
             reference="lightning_mp bf16, empty FP32 policy",
         ),
+        # monitor costs, against the plain fp16 plugin (the scale moves there): logging every step is the worst
+        # case for LossScaleMonitor; GradientRangeMonitor at every_n_steps=1 costs its sampled-step price on
+        # every step, so its cost at the default interval of 50 is that excess divided by 50
+        Variant(
+            "lightning_mp fp16 + LossScaleMonitor",
+            lambda: MixedPrecisionPlugin("fp16"),
+            reference="lightning_mp fp16",
+            callbacks=lambda: [LossScaleMonitor(logging_interval=1)],
+        ),
+        Variant(
+            "lightning_mp fp16 + GradientRangeMonitor(1)",
+            lambda: MixedPrecisionPlugin("fp16"),
+            reference="lightning_mp fp16",
+            callbacks=lambda: [GradientRangeMonitor(every_n_steps=1)],
+        ),
     ]
 
 
@@ -109,8 +126,10 @@ def run_round(variant: Variant, datamodule, args, accelerator: str) -> None:
         devices=1,
         max_steps=args.steps,
         plugins=plugins,
-        callbacks=[timer, *variant.callbacks()],
-        logger=False,
+        callbacks=[*variant.callbacks(), timer],  # timer last: its batch end sees the monitors' work
+        # every variant logs to TensorBoard (the monitors need a logger), so logging costs the same for all
+        logger=TensorBoardLogger(args.log_dir, name="benchmark"),
+        log_every_n_steps=1,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -133,6 +152,7 @@ def main(argv=None) -> list[Variant]:
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--only", nargs="*", help="run only variants whose name contains one of these words")
     args = parser.parse_args(argv)
+    args.log_dir = tempfile.mkdtemp(prefix="lightning_mp_bench_")
     for name in ("rounds", "steps", "batch_size", "block_size", "n_layer", "n_embd", "n_head"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)!r} must be >= 1")
@@ -172,6 +192,8 @@ def main(argv=None) -> list[Variant]:
         if v.reference in by_name:
             ratio = statistics.median(v.timer_times) / statistics.median(by_name[v.reference].timer_times)
             print(f"RATIO {v.name} / {v.reference}: {ratio:.3f}")
+            if "GradientRangeMonitor(1)" in v.name:
+                print(f"  -> GradientRangeMonitor at its default every_n_steps=50: {(ratio - 1) / 50:+.2%} per step")
     return chosen
 
 

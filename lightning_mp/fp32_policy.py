@@ -102,6 +102,7 @@ from torch.overrides import TorchFunctionMode
 __all__ = [
     "DEFAULT_FP32_MODULES",
     "DEFAULT_FP32_OPS",
+    "EMBEDDING_MODULES",
     "NORM_MODULES",
     "RECURRENT_MODULES",
     "Fp32ModuleHandle",
@@ -307,7 +308,10 @@ NORM_MODULES: tuple[type[nn.Module], ...] = tuple(
 RECURRENT_MODULES: tuple[type[nn.Module], ...] = (nn.RNNBase, nn.RNNCellBase)
 """RNN, LSTM, GRU and their Cell variants."""
 
-DEFAULT_FP32_MODULES: tuple[type[nn.Module], ...] = NORM_MODULES + RECURRENT_MODULES
+EMBEDDING_MODULES: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
+"""Embedding tables: a lookup has no arithmetic for 16 bits to speed up, and its output starts the residual stream."""
+
+DEFAULT_FP32_MODULES: tuple[type[nn.Module], ...] = NORM_MODULES + RECURRENT_MODULES + EMBEDDING_MODULES
 """Module classes whose own parameters stay FP32 and whose forward runs in FP32.
 
 ``NORM_MODULES`` (LayerNorm, GroupNorm, BatchNorm*/SyncBatchNorm, InstanceNorm*,
@@ -333,7 +337,18 @@ deliberately:
   AVX512-BF16 CPU an LSTM(256, 256), seq 128 x batch 16, forward+backward took
   ~43 ms in FP32 vs ~24 ms under bf16 autocast (~1.8x); on CUDA the loss of
   tensor-core fp16 can cost more for RNN-dominated models. Such models can opt
-  out with ``Fp32Policy(modules=NORM_MODULES)``.
+  out with ``Fp32Policy(modules=NORM_MODULES + EMBEDDING_MODULES)``.
+
+``EMBEDDING_MODULES`` (Embedding, EmbeddingBag) keep an FP32 table, so the residual
+stream of a transformer starts, and stays, in FP32: ``x = x + block(x)`` with an FP32
+``x`` and a 16-bit block output adds in FP32, as under Lightning's ``bf16-mixed``
+(autocast leaves embeddings alone) and Megatron's ``fp32_residual_connection``. With a
+16-bit table every residual add rounds to 16 bits and the rounding compounds over the
+layers: the demo GPT (4 layers, 800 steps, bf16) reached a validation loss of 2.210
+with a bf16 embedding against 2.134 with an FP32 one (FP32 training: 2.133). A lookup
+does no arithmetic 16 bits could speed up; the cost is 2 more bytes per embedding
+parameter, and an output head tied to the table stays FP32 too (autocast casts it for
+the matmul, as it does for every FP32 weight).
 """
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -964,5 +979,10 @@ def _module_reason(cls: type) -> str:
         )
     if cls in NORM_MODULES or any(issubclass(cls, norm) for norm in NORM_MODULES):
         return _WHY_NORM_LAYER + "; few or no parameters, so FP32 weights are nearly free"
+    if issubclass(cls, EMBEDDING_MODULES):
+        return (
+            "a lookup, no arithmetic to speed up; an FP32 table keeps the residual stream it starts in FP32 "
+            "(a 16-bit one rounds every residual add)"
+        )
     return "selected by the user"
 

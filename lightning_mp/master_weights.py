@@ -50,20 +50,18 @@ class MasterWeights:
         self.masters: list[nn.Parameter] = []
         self._master_of: dict[nn.Parameter, nn.Parameter] = {}
         self._optimizers: list[Optimizer] = []
-        self._names: dict[nn.Parameter, str] = {}
 
     # ------------------------------------------------------------------ set-up
     @torch.no_grad()
     def convert(self, module: nn.Module) -> nn.Module:
         """Store the module's floating parameters in 16 bits (except those of ``keep_fp32`` modules)."""
-        for mod_name, mod in module.named_modules():
-            if self._keep_fp32(mod):
-                continue
-            for p_name, p in mod.named_parameters(recurse=False):
-                if not p.is_floating_point() or p.dtype == self.dtype or p in self._originals:
+        # a parameter shared with a kept module (a tied embedding and output head) stays FP32 everywhere
+        kept = {p for mod in module.modules() if self._keep_fp32(mod) for p in mod.parameters(recurse=False)}
+        for mod in module.modules():
+            for p in mod.parameters(recurse=False):
+                if p in kept or not p.is_floating_point() or p.dtype == self.dtype or p in self._originals:
                     continue
                 self._originals[p] = p.data
-                self._names[p] = f"{mod_name}.{p_name}" if mod_name else p_name
                 p.data = p.data.to(self.dtype)
         return module
 

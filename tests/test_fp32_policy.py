@@ -371,9 +371,9 @@ def test_keeps_fp32(policy: Fp32Policy) -> None:
         pass
 
     for module in (nn.LayerNorm(4), MyNorm(4), nn.BatchNorm2d(3), nn.SyncBatchNorm(3), nn.GroupNorm(2, 4),
-                   nn.InstanceNorm1d(3), nn.LSTM(2, 2), nn.GRUCell(2, 2)):
+                   nn.InstanceNorm1d(3), nn.LSTM(2, 2), nn.GRUCell(2, 2), nn.Embedding(3, 2), nn.EmbeddingBag(3, 2)):
         assert policy.keeps_fp32(module), module
-    for module in (nn.Linear(2, 2), nn.Embedding(3, 2), nn.Sequential()):
+    for module in (nn.Linear(2, 2), nn.Conv1d(2, 2, 1), nn.Sequential()):
         assert not policy.keeps_fp32(module), module
     assert not Fp32Policy(modules=NORM_MODULES).keeps_fp32(nn.LSTM(2, 2))
     assert Fp32Policy(modules=[nn.Linear, nn.Linear]).modules == (nn.Linear,)

@@ -450,3 +450,29 @@ def test_model_building_fp32_tensors_inside_forward_still_trains_in_16_bits():
     model = BuildsFp32()
     fit(model, MixedPrecisionPlugin("bf16"), max_steps=3)
     fit(model, MixedPrecisionPlugin("fp16", **FP16_SAFE), max_steps=3)
+
+
+def test_output_head_tied_to_an_fp32_embedding_stays_fp32():
+    class Tied(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.mid = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 16, bias=False)
+            self.head.weight = self.emb.weight
+            self.seen = {}
+
+        def training_step(self, batch, batch_idx):
+            idx = torch.arange(16).view(2, 8)
+            h = self.emb(idx)
+            out = h + self.mid(h)  # FP32 residual stream: FP32 embedding + 16-bit block output
+            self.seen = {"emb": self.emb.weight.dtype, "mid": self.mid.weight.dtype, "stream": out.dtype}
+            return nn.functional.cross_entropy(self.head(out).flatten(0, 1), idx.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    model = Tied()
+    fit(model, MixedPrecisionPlugin("bf16"), data=ones(2), max_steps=2)
+    assert model.seen == {"emb": torch.float32, "mid": torch.bfloat16, "stream": torch.float32}
+    assert model.head.weight is model.emb.weight
