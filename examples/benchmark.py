@@ -7,7 +7,7 @@ Every variant trains the same GPT (4 layers, 256 wide, batch 16 x 128 bytes of s
 steps per round; the variants take turns within each round, so a noisy machine slows them alike. Each step is
 timed from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, unscale/check, optimizer
 step); the first ``--warmup`` steps of every round are dropped. The table reports median step time, the ratio
-to the reference variant measured in the same run, and model-state bytes per parameter (parameters,
+to fp32 and to the variant it is compared with (both measured in this run), and model-state bytes per parameter (parameters,
 gradients, FP32 masters and optimizer state, counted once per storage at the end of a step).
 """
 
@@ -28,6 +28,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_mp import GradientRangeMonitor, LossScaleMonitor, MixedPrecisionPlugin
 from lightning_mp.demos import GPT, StdlibTextDataModule
+from lightning_mp.fp32_policy import NORM_MODULES, RECURRENT_MODULES
 
 
 class StepTimer(Callback):
@@ -80,7 +81,6 @@ def model_state_bytes(module: torch.nn.Module, optimizers) -> tuple[int, int]:
 class Variant:
     name: str
     plugin: Callable[[], object] | None
-    reference: str | None = None  # name of the variant this one is compared with
     callbacks: Callable[[], list] = list
     timer_times: list[float] = field(default_factory=list)
     bytes_per_param: float = 0.0
@@ -88,32 +88,37 @@ class Variant:
 
 def variants(device: str) -> list[Variant]:
     return [
+        Variant("plain fp32 (no plugin)", None),
         Variant("native bf16-mixed", lambda: MixedPrecision("bf16-mixed", device)),
-        Variant("lightning_mp bf16", lambda: MixedPrecisionPlugin("bf16"), reference="native bf16-mixed"),
+        Variant("lightning_mp bf16", lambda: MixedPrecisionPlugin("bf16")),
         Variant("native 16-mixed", lambda: MixedPrecision("16-mixed", device)),
-        Variant("lightning_mp fp16", lambda: MixedPrecisionPlugin("fp16"), reference="native 16-mixed"),
+        Variant("lightning_mp fp16", lambda: MixedPrecisionPlugin("fp16")),
         Variant("lightning_mp bf16, empty FP32 policy", lambda: MixedPrecisionPlugin("bf16", fp32_ops=(), fp32_modules=())),
         Variant(
-            "lightning_mp bf16, default FP32 policy",
-            lambda: MixedPrecisionPlugin("bf16"),
-            reference="lightning_mp bf16, empty FP32 policy",
+            "lightning_mp bf16, 16-bit embeddings",
+            lambda: MixedPrecisionPlugin("bf16", fp32_modules=NORM_MODULES + RECURRENT_MODULES),
         ),
         # monitor costs, against the plain fp16 plugin (the scale moves there): logging every step is the worst
         # case for LossScaleMonitor; GradientRangeMonitor at every_n_steps=1 costs its sampled-step price on
         # every step, so its cost at the default interval of 50 is that excess divided by 50
-        Variant(
-            "lightning_mp fp16 + LossScaleMonitor",
-            lambda: MixedPrecisionPlugin("fp16"),
-            reference="lightning_mp fp16",
-            callbacks=lambda: [LossScaleMonitor(logging_interval=1)],
-        ),
-        Variant(
-            "lightning_mp fp16 + GradientRangeMonitor(1)",
-            lambda: MixedPrecisionPlugin("fp16"),
-            reference="lightning_mp fp16",
-            callbacks=lambda: [GradientRangeMonitor(every_n_steps=1)],
-        ),
+        Variant("lightning_mp fp16 + LossScaleMonitor", lambda: MixedPrecisionPlugin("fp16"),
+                callbacks=lambda: [LossScaleMonitor(logging_interval=1)]),
+        Variant("lightning_mp fp16 + GradientRangeMonitor(1)", lambda: MixedPrecisionPlugin("fp16"),
+                callbacks=lambda: [GradientRangeMonitor(every_n_steps=1)]),
     ]
+
+
+# (what, numerator, denominator): every ratio is two medians measured in this run
+COMPARISONS = [
+    ("ours / native, bf16 (target <= 1.00)", "lightning_mp bf16", "native bf16-mixed"),
+    ("ours / native, fp16 (target <= 1.00)", "lightning_mp fp16", "native 16-mixed"),
+    ("default FP32 policy / empty policy, bf16 (target <= 1.03)", "lightning_mp bf16",
+     "lightning_mp bf16, empty FP32 policy"),
+    ("FP32 embeddings (default) / 16-bit embeddings, bf16", "lightning_mp bf16", "lightning_mp bf16, 16-bit embeddings"),
+    ("LossScaleMonitor every step / none, fp16 (target <= 1.01)", "lightning_mp fp16 + LossScaleMonitor",
+     "lightning_mp fp16"),
+    ("GradientRangeMonitor every step / none, fp16", "lightning_mp fp16 + GradientRangeMonitor(1)", "lightning_mp fp16"),
+]
 
 
 def run_round(variant: Variant, datamodule, args, accelerator: str) -> None:
@@ -163,10 +168,9 @@ def main(argv=None) -> list[Variant]:
     device = accelerator
     chosen = variants(device)
     if args.only:
-        names = {v.reference for v in chosen if any(w in v.name for w in args.only)} | {
-            v.name for v in chosen if any(w in v.name for w in args.only)
-        }
-        chosen = [v for v in chosen if v.name in names]
+        wanted = {v.name for v in chosen if any(w in v.name for w in args.only)}
+        wanted |= {den for _, num, den in COMPARISONS if num in wanted} | {"plain fp32 (no plugin)"}
+        chosen = [v for v in chosen if v.name in wanted]
     datamodule = StdlibTextDataModule(block_size=args.block_size, batch_size=args.batch_size, max_bytes=2**21)
     print(f"device: {device} ({torch.cuda.get_device_name() if device == 'cuda' else f'{torch.get_num_threads()} threads'})"
           f", torch {torch.__version__}, lightning {L.__version__}")
@@ -178,21 +182,20 @@ def main(argv=None) -> list[Variant]:
         print(f"round {r + 1}/{args.rounds} done", flush=True)
 
     by_name = {v.name: v for v in chosen}
+    median = {v.name: statistics.median(v.timer_times) for v in chosen}
+    fp32 = median.get("plain fp32 (no plugin)")
     print()
-    print(f"| {'variant':40s} | median step (ms) | ratio to reference | model-state bytes/param |")
-    print(f"|{'-' * 42}|------------------|--------------------|-------------------------|")
+    print(f"| {'variant':44s} | median step (ms) | speed-up vs fp32 | model-state bytes/param |")
+    print(f"|{'-' * 46}|-----------------:|-----------------:|------------------------:|")
     for v in chosen:
-        med = statistics.median(v.timer_times) * 1e3
-        ratio = ""
-        if v.reference in by_name:
-            ratio = f"{statistics.median(v.timer_times) / statistics.median(by_name[v.reference].timer_times):.3f}"
-        print(f"| {v.name:40s} | {med:16.1f} | {ratio:>18s} | {v.bytes_per_param:23.1f} |")
+        speedup = f"{fp32 / median[v.name]:.2f}x" if fp32 else ""
+        print(f"| {v.name:44s} | {median[v.name] * 1e3:16.1f} | {speedup:>16s} | {v.bytes_per_param:23.1f} |")
     print()
-    for v in chosen:
-        if v.reference in by_name:
-            ratio = statistics.median(v.timer_times) / statistics.median(by_name[v.reference].timer_times)
-            print(f"RATIO {v.name} / {v.reference}: {ratio:.3f}")
-            if "GradientRangeMonitor(1)" in v.name:
+    for what, num, den in COMPARISONS:
+        if num in median and den in median:
+            ratio = median[num] / median[den]
+            print(f"RATIO {what}: {ratio:.3f}")
+            if "GradientRangeMonitor" in num:
                 print(f"  -> GradientRangeMonitor at its default every_n_steps=50: {(ratio - 1) / 50:+.2%} per step")
     return chosen
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any, Callable
 
 import torch
@@ -85,8 +85,8 @@ class MixedPrecisionPlugin(Precision):
         min_scale: float = DEFAULT_MIN_SCALE,
         max_scale: float = DEFAULT_MAX_SCALE,
         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
-        fp32_ops: Any = DEFAULT_FP32_OPS,
-        fp32_modules: Any = DEFAULT_FP32_MODULES,
+        fp32_ops: Iterable[str | Callable] = DEFAULT_FP32_OPS,
+        fp32_modules: Sequence[type[nn.Module]] = DEFAULT_FP32_MODULES,
         skip_scheduler_on_overflow: bool = True,
     ) -> None:
         super().__init__()
