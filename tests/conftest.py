@@ -70,6 +70,33 @@ class TinyRegressor(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
+class TwoOptimizers(L.LightningModule):
+    """GAN-style manual optimization: two sub-nets, two optimizers, both step every batch."""
+
+    def __init__(self, fault_at=()):
+        super().__init__()
+        self.automatic_optimization = False
+        self.g = nn.Linear(8, 8)
+        self.d = nn.Linear(8, 1)
+        self.fault_at = set(fault_at)
+        self.steps_taken = 0
+
+    def training_step(self, batch, batch_idx):
+        opt_g, opt_d = self.optimizers()
+        x, y = batch
+        loss_d = nn.functional.mse_loss(self.d(self.g(x).detach()).float(), y)
+        opt_d.zero_grad()
+        self.manual_backward(loss_d * (float("inf") if batch_idx in self.fault_at else 1.0))
+        opt_d.step()
+        loss_g = self.d(self.g(x)).float().pow(2).mean()
+        opt_g.zero_grad()
+        self.manual_backward(loss_g)
+        opt_g.step()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.g.parameters(), lr=1e-3), torch.optim.Adam(self.d.parameters(), lr=1e-3)
+
+
 def regression_data(n=64, batch_size=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 8, generator=g)

@@ -23,7 +23,8 @@ from torch import nn
 from lightning_mp import GradientRangeMonitor, LossScaleMonitor, MixedPrecisionPlugin
 from lightning_mp import gradient_range_monitor as grm
 from tests.conftest import TinyRegressor, regression_data, trainer_kwargs
-from tests.test_loss_scale_monitor import RecordingLogger, TwoOptimizers
+from tests.conftest import TwoOptimizers
+from tests.test_loss_scale_monitor import RecordingLogger
 
 HIST = "precision/grad_log2_magnitude"
 UNDER, OVER, ZERO = (f"precision/grad_{k}_fraction" for k in ("underflow", "overflow", "zero"))

@@ -15,8 +15,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_mp import MixedPrecisionPlugin
-from tests.conftest import TinyRegressor, regression_data, trainer_kwargs
-from tests.test_plugin_integration import Snapshot, TwoOptimizers, fit, same_tree
+from tests.conftest import TinyRegressor, TwoOptimizers, regression_data, trainer_kwargs
+from tests.test_plugin_integration import Snapshot, fit, same_tree
 
 RESUME_WORKER = os.path.join(os.path.dirname(__file__), "resume_worker.py")
 

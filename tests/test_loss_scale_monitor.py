@@ -5,10 +5,9 @@ import pytest
 import torch
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch import nn
 
 from lightning_mp import LossScaleMonitor, MixedPrecisionPlugin
-from tests.conftest import TinyRegressor, regression_data, trainer_kwargs
+from tests.conftest import TinyRegressor, TwoOptimizers, regression_data, trainer_kwargs
 
 SCALE, SKIPPED = "precision/loss_scale", "precision/skipped_steps"
 
@@ -37,31 +36,6 @@ class RecordingLogger(Logger):
     def series(self, key):
         """[(step, value)] of one key, in logging order."""
         return [(step, m[key]) for step, m in self.calls if key in m]
-
-
-class TwoOptimizers(L.LightningModule):
-    """GAN-style manual optimization: two sub-nets, two optimizers, both step in every training_step."""
-
-    def __init__(self):
-        super().__init__()
-        self.automatic_optimization = False
-        self.g = nn.Linear(8, 8)
-        self.d = nn.Linear(8, 1)
-
-    def training_step(self, batch, batch_idx):
-        opt_g, opt_d = self.optimizers()
-        x, y = batch
-        loss_d = nn.functional.mse_loss(self.d(self.g(x).detach()).float(), y)
-        opt_d.zero_grad()
-        self.manual_backward(loss_d)
-        opt_d.step()
-        loss_g = self.d(self.g(x)).float().pow(2).mean()
-        opt_g.zero_grad()
-        self.manual_backward(loss_g)
-        opt_g.step()
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.g.parameters(), lr=1e-3), torch.optim.Adam(self.d.parameters(), lr=1e-3)
 
 
 def run(model, plugin, monitor, logger, **kwargs):

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecisionPlugin
-from tests.conftest import TinyRegressor, regression_data, trainer_kwargs
+from tests.conftest import TinyRegressor, TwoOptimizers, regression_data, trainer_kwargs
 
 FP16_SAFE = dict(init_scale=2.0**8)  # a start scale at which the tiny regressor does not overflow
 
@@ -309,33 +309,6 @@ def test_lbfgs_with_dynamic_scale_is_refused_clearly_and_works_in_bf16():
 
 
 # ---------------------------------------------------------------------------------------------- manual optimization
-class TwoOptimizers(L.LightningModule):
-    """GAN-style manual optimization: two sub-nets, two optimizers, both step every batch."""
-
-    def __init__(self, fault_at=()):
-        super().__init__()
-        self.automatic_optimization = False
-        self.g = nn.Linear(8, 8)
-        self.d = nn.Linear(8, 1)
-        self.fault_at = set(fault_at)
-        self.steps_taken = 0
-
-    def training_step(self, batch, batch_idx):
-        opt_g, opt_d = self.optimizers()
-        x, y = batch
-        loss_d = nn.functional.mse_loss(self.d(self.g(x).detach()).float(), y)
-        opt_d.zero_grad()
-        self.manual_backward(loss_d * (float("inf") if batch_idx in self.fault_at else 1.0))
-        opt_d.step()
-        loss_g = self.d(self.g(x)).float().pow(2).mean()
-        opt_g.zero_grad()
-        self.manual_backward(loss_g)
-        opt_g.step()
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.g.parameters(), lr=1e-3), torch.optim.Adam(self.d.parameters(), lr=1e-3)
-
-
 def test_manual_optimization_two_optimizers_update_the_scale_once_per_training_step():
     plugin = MixedPrecisionPlugin("fp16", init_scale=4.0, growth_interval=2)
     model = TwoOptimizers()
