@@ -71,10 +71,9 @@ MODEL_DEFAULTS: dict[str, Any] = {"model.lr": 1e-3, "data.seed": 0, "grad_range_
 DEFAULT_PRECISION = "bf16"
 TRAIN_LOSS_WINDOW = 10
 
-# MixedPrecisionPlugin annotates fp32_ops/fp32_modules as Any, so jsonargparse warns, each time it writes the
-# config (config.yaml beside the logs, --print_config), that their frozenset/tuple defaults come back as lists.
-# Lists are what the plugin accepts (module class paths are imported in _check_plugin_args), so the warning only
-# hides the output that matters.
+# The defaults of MixedPrecisionPlugin's fp32_ops/fp32_modules are a frozenset and a tuple, which jsonargparse
+# writes as lists and may warn about each time it dumps the config (config.yaml beside the logs, --print_config).
+# Lists are what the plugin accepts, so the warning only hides the output that matters.
 warnings.filterwarnings("ignore", message=r"\s*Dump of a value that does not round-trip", module="jsonargparse")
 
 #: Keys of the ``--summary`` JSON. Metric values are ``null`` when the run did not produce them (no validation,
@@ -321,9 +320,9 @@ class TrainGPTCLI(LightningCLI):
             self.parser.error(f"{where}.precision: {err}")
         modules = init_args.get("fp32_modules")
         if isinstance(modules, list) and any(isinstance(m, str) for m in modules):
-            # The plugin annotates fp32_modules as Any, so jsonargparse hands over class paths as plain strings
-            # (and writes the default classes into the saved config.yaml as strings): import them here, so a
-            # YAML list such as [torch.nn.LayerNorm] and a re-run of a saved config.yaml both work.
+            # Class paths that reach us as plain strings (a config.yaml saved by an older version of this
+            # script, or a jsonargparse that does not resolve type[...] hints) are imported here, so a YAML
+            # list such as [torch.nn.LayerNorm] and a re-run of a saved config.yaml both work.
             try:
                 init_args["fp32_modules"] = [_import(m) if isinstance(m, str) else m for m in modules]
             except (ImportError, AttributeError, ValueError) as err:
