@@ -181,7 +181,6 @@ def main(argv=None) -> list[Variant]:
             run_round(v, datamodule, args, accelerator)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
 
-    by_name = {v.name: v for v in chosen}
     median = {v.name: statistics.median(v.timer_times) for v in chosen}
     fp32 = median.get("plain fp32 (no plugin)")
     print()

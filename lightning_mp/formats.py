@@ -17,6 +17,9 @@ _FORMATS = {
     "bf16": (torch.bfloat16, "bf16-mixed", None),
 }
 
+# the 16-bit compute formats, as dtypes
+HALF_DTYPES: tuple[torch.dtype, ...] = tuple(dtype for dtype, _, _ in _FORMATS.values() if dtype != torch.float32)
+
 # every accepted spelling -> canonical name
 PRECISION_ALIASES: dict[str, str] = {
     "fp32": "fp32",

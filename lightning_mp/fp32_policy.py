@@ -99,6 +99,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.overrides import TorchFunctionMode
 
+from lightning_mp.formats import HALF_DTYPES
+
 __all__ = [
     "DEFAULT_FP32_MODULES",
     "DEFAULT_FP32_OPS",
@@ -351,7 +353,6 @@ parameter, and an output head tied to the table stays FP32 too (autocast casts i
 the matmul, as it does for every FP32 weight).
 """
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 # Ops whose callables take a ``dtype=`` that casts the input before computing; the
 # policy passes dtype=torch.float32 instead of copying a 16-bit input (CUDA autocast's
@@ -557,7 +558,7 @@ def _to_fp32(obj: Any, devices: set[str] | None) -> Any:
             # is_cpu is ~0.07 us; building device.type is ~0.5 us, so only for non-CPU.
             devices.add("cpu" if obj.is_cpu else obj.device.type)
         # .float() is differentiable: the backward casts the gradient back to 16 bits.
-        return obj.float() if obj.dtype in _LOW_PRECISION else obj
+        return obj.float() if obj.dtype in HALF_DTYPES else obj
     if isinstance(obj, (tuple, list)):
         return _to_fp32_seq(obj, devices)
     if isinstance(obj, dict):
@@ -623,7 +624,7 @@ def _call_fp32(
             return func(*args, **kwargs) if kwargs else func(*args)
 
     first = args[0] if args else None
-    if set_dtype and isinstance(first, torch.Tensor) and first.dtype in _LOW_PRECISION:
+    if set_dtype and isinstance(first, torch.Tensor) and first.dtype in HALF_DTYPES:
         kwargs = dict(kwargs) if kwargs else {}
         kwargs["dtype"] = torch.float32
         devices = {"cpu" if first.is_cpu else first.device.type} if _any_autocast_enabled() else ()

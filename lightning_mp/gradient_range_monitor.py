@@ -22,14 +22,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mp.formats import resolve_precision
-from lightning_mp.loss_scale_monitor import _logger_step, _require_logger, _require_plugin
+from lightning_mp.formats import HALF_DTYPES, resolve_precision
+from lightning_mp.loss_scale_monitor import _logger_step, _PrecisionMonitor
 from lightning_mp.loss_scaler import DEFAULT_INIT_SCALE
 from lightning_mp.plugin import MixedPrecisionPlugin
 
@@ -122,7 +121,7 @@ def _measure_on_device(grads: Sequence[Tensor], scale: float, per_tensor: bool) 
         totals, hist = acc[device]
         # a copy either way: cat copies, and a single tensor must not be modified in place
         flat = torch.cat([g.reshape(-1) for g in chunk]).abs_() if len(chunk) > 1 else chunk[0].reshape(-1).abs()
-        if flat.dtype in (torch.float16, torch.bfloat16):
+        if flat.dtype in HALF_DTYPES:
             flat = flat.float()
         positive = flat > 0  # NaN compares false everywhere, so it is neither zero nor positive
         totals += torch.stack(
@@ -207,7 +206,7 @@ class _Pending:
     packed: Tensor  # on the device, not yet read back
 
 
-class GradientRangeMonitor(Callback):
+class GradientRangeMonitor(_PrecisionMonitor):
     """Histogram of log2|gradient| and the fractions FP16 would flush to zero or overflow, every few steps.
 
     Measured in ``on_before_optimizer_step``, where the plugin has unscaled the gradients (true FP32 values the
@@ -261,22 +260,14 @@ class GradientRangeMonitor(Callback):
             raise ValueError(f"per_param={per_param!r} is not allowed: use True or False.")
         self.every_n_steps = every_n_steps
         self.per_param = per_param
-        self._plugin: MixedPrecisionPlugin | None = None
-        self._seen_steps = 0
+        super().__init__()
         self._pending: dict[int, _Pending] = {}
         self._pending_step: int | None = None
         self._warned = False
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        _require_logger(trainer, type(self).__name__)
-        self._plugin = _require_plugin(trainer, type(self).__name__)
-
-    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._seen_steps = self._plugin.optimizer_steps if self._plugin is not None else 0
+        super().on_train_start(trainer, pl_module)
         self._pending.clear()
 
     @override

@@ -16,7 +16,41 @@ from typing_extensions import override
 from lightning_mp.plugin import MixedPrecisionPlugin
 
 
-class LossScaleMonitor(Callback):
+class _PrecisionMonitor(Callback):
+    """What both monitors share: find the plugin and a logger at ``fit`` setup, and track which training steps the
+    scaler has already seen (``plugin.optimizer_steps`` moves once per training step that stepped)."""
+
+    def __init__(self) -> None:
+        self._plugin: MixedPrecisionPlugin | None = None
+        self._seen_steps = 0
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        name = type(self).__name__
+        if not trainer.loggers:
+            raise MisconfigurationException(
+                f"Cannot use `{name}` callback with a `Trainer` that has no logger. "
+                "HINT: pass `logger=TensorBoardLogger(save_dir)` (or any Lightning logger) to the Trainer."
+            )
+        plugin = trainer.precision_plugin
+        if not isinstance(plugin, MixedPrecisionPlugin):
+            raise MisconfigurationException(
+                f"`{name}` reads the loss scaler of `lightning_mp.MixedPrecisionPlugin`, but this Trainer's precision "
+                f"plugin is {type(plugin).__name__} (precision={trainer.precision!r}). HINT: add it to the Trainer: "
+                f"`Trainer(plugins=[MixedPrecisionPlugin('fp16')], callbacks=[{name}()])` (use it instead of the "
+                "`precision=` argument)."
+            )
+        self._plugin = plugin
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after a checkpoint restore, so a resumed run does not log the restored count as a new step
+        self._seen_steps = self._plugin.optimizer_steps if self._plugin is not None else 0
+
+
+class LossScaleMonitor(_PrecisionMonitor):
     """Logs the loss scale each training step used and how many steps were skipped so far.
 
     One point per training step that ran an optimizer step: under gradient accumulation only the micro-batch
@@ -58,21 +92,8 @@ class LossScaleMonitor(Callback):
                 f"logging_interval={logging_interval!r} is not allowed: use an integer >= 1 (log every that many "
                 "optimizer steps) or None (follow the Trainer's log_every_n_steps)."
             )
+        super().__init__()
         self.logging_interval = logging_interval
-        self._plugin: MixedPrecisionPlugin | None = None
-        self._seen_steps = 0
-
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        _require_logger(trainer, type(self).__name__)
-        self._plugin = _require_plugin(trainer, type(self).__name__)
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # after a checkpoint restore, so a resumed run does not log the restored count as a new step
-        self._seen_steps = self._plugin.optimizer_steps if self._plugin is not None else 0
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -97,26 +118,6 @@ def _logger_step(trainer: pl.Trainer) -> int:
     batch whatever the number of optimizers. Lightning has no public name for it; LearningRateMonitor reads the
     same counter. During the batch's hooks it still holds this batch's index (it moves after ``on_train_batch_end``)."""
     return trainer.fit_loop.epoch_loop._batches_that_stepped
-
-
-def _require_logger(trainer: pl.Trainer, name: str) -> None:
-    if not trainer.loggers:
-        raise MisconfigurationException(
-            f"Cannot use `{name}` callback with a `Trainer` that has no logger. "
-            "HINT: pass `logger=TensorBoardLogger(save_dir)` (or any Lightning logger) to the Trainer."
-        )
-
-
-def _require_plugin(trainer: pl.Trainer, name: str) -> MixedPrecisionPlugin:
-    plugin = trainer.precision_plugin
-    if not isinstance(plugin, MixedPrecisionPlugin):
-        raise MisconfigurationException(
-            f"`{name}` reads the loss scaler of `lightning_mp.MixedPrecisionPlugin`, but this Trainer's precision "
-            f"plugin is {type(plugin).__name__} (precision={trainer.precision!r}). HINT: add it to the Trainer: "
-            f"`Trainer(plugins=[MixedPrecisionPlugin('fp16')], callbacks=[{name}()])` (use it instead of the "
-            "`precision=` argument)."
-        )
-    return plugin
 
 
 __all__ = ["LossScaleMonitor"]

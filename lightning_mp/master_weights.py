@@ -5,9 +5,10 @@ below 2^-8 in bf16 or 2^-11 in fp16, so ``lr * grad`` of 1e-4 never moves a bf16
 therefore owns an FP32 copy (the master) of every trainable 16-bit parameter; gradients are accumulated into
 the master in FP32 and the 16-bit parameter is re-rounded from the master after each applied step.
 
-Memory per trainable parameter: 2 B (16-bit param) + 4 B (master) + 4 B (FP32 master grad, alive between
-backward and ``zero_grad``) + optimizer state; the 16-bit gradient is freed as soon as it is folded into the
-master. Activations, the bulk of training memory, are 16-bit.
+Memory per trainable parameter: 2 B (16-bit param) + 4 B (master) + 4 B (FP32 master grad: one buffer per
+master, allocated once and refilled every step, so a step allocates nothing and a gradient tensor kept across
+steps is overwritten by the next one) + optimizer state; the 16-bit gradient is freed as soon as it is folded into
+the master. Activations, the bulk of training memory, are 16-bit.
 
 Bookkeeping:
 
@@ -24,8 +25,6 @@ Bookkeeping:
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -48,6 +47,9 @@ class MasterWeights:
         # parallel lists of 16-bit model params and their FP32 masters
         self.params: list[nn.Parameter] = []
         self.masters: list[nn.Parameter] = []
+        # one FP32 gradient buffer per master, reused every step (no per-step allocation): a master's .grad is its
+        # buffer from the first backward of an accumulation window until zero_grad sets it to None
+        self._grad_buffers: list[Tensor] = []
         self._master_of: dict[nn.Parameter, nn.Parameter] = {}
         self._optimizers: list[Optimizer] = []
 
@@ -79,6 +81,7 @@ class MasterWeights:
                     master = nn.Parameter(original.float(), requires_grad=True)
                     self.params.append(p)
                     self.masters.append(master)
+                    self._grad_buffers.append(torch.empty_like(master))
                     self._master_of[p] = master
                 else:  # FP32 already (kept modules, or master_weights over an FP32 model): the param is its master
                     master = p
@@ -94,29 +97,33 @@ class MasterWeights:
     def fold_grads(self) -> None:
         """``master.grad += param.grad`` in FP32 for every 16-bit param with a gradient; frees the 16-bit grad.
 
-        A master without a gradient gets the cast of the 16-bit one (one read, one write: there is no foreach
-        cast, so this is one kernel per parameter, as many as autograd launched to produce them); the others
-        take one fused mixed-dtype add for the whole model.
+        Two fused calls for the whole model: masters without a gradient (first micro-batch of a window) get their
+        buffer filled with the cast of the 16-bit gradient (``_foreach_copy_`` casts), the others take a
+        mixed-dtype ``_foreach_add_``. The Python loop only sorts tensors into the two lists.
         """
-        acc_masters, acc_grads = [], []
-        for p, m in zip(self.params, self.masters):
+        fresh, fresh_grads, acc, acc_grads = [], [], [], []
+        for p, m, buf in zip(self.params, self.masters, self._grad_buffers):
             g = p.grad
             if g is None:
                 continue
             if m.grad is None:
-                m.grad = g.to(torch.float32)
+                m.grad = buf
+                fresh.append(buf)
+                fresh_grads.append(g)
             else:
-                acc_masters.append(m.grad)
+                acc.append(m.grad)
                 acc_grads.append(g)
             p.grad = None
-        if acc_masters:
-            torch._foreach_add_(acc_masters, acc_grads)
+        if fresh:
+            torch._foreach_copy_(fresh, fresh_grads)
+        if acc:
+            torch._foreach_add_(acc, acc_grads)
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """Re-round the 16-bit parameters from the masters (one fused copy with the cast)."""
         if self.params:
-            torch._foreach_copy_([p.data for p in self.params], [m.data for m in self.masters])
+            torch._foreach_copy_(self.params, self.masters)
 
     # ------------------------------------------------------------------ access
     def master_of(self, param: nn.Parameter) -> nn.Parameter | None:
@@ -144,7 +151,7 @@ class MasterWeights:
         for p, original in self._originals.items():
             p.data = original
         self._originals.clear()
-        self.params, self.masters = [], []
+        self.params, self.masters, self._grad_buffers = [], [], []
         self._master_of.clear()
         self._optimizers.clear()
 

@@ -2,7 +2,6 @@
 
 import lightning as L
 import pytest
-import torch
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
