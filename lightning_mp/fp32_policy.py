@@ -606,6 +606,38 @@ def _autocast_enabled(device_type: str) -> bool:
         return False
 
 
+# Batch norm in mixed dtype. torch 2.13's CPU kernels and CUDA's (native and cuDNN) take a 16-bit input with
+# FP32 weight, bias and running statistics: mean and variance are accumulated in FP32 inside the kernel, the
+# running statistics are updated in FP32, the output and the input gradient are 16-bit, the weight and bias
+# gradients FP32 (the arrangement cuDNN and autocast use). That is everything _WHY_NORM_LAYER asks for, and it
+# saves what an upcast costs: autograd keeps the tensor batch_norm was given, so a `.float()` before it stores
+# an FP32 copy of every normalised activation (in a ResNet, about half of all saved activations) and hands an
+# FP32 output to the next layer. Other devices (and 16-bit weights or statistics) keep the upcast.
+_NATIVE_MIXED_BATCH_NORM_DEVICES = frozenset({"cpu", "cuda"})
+_BATCH_NORM_FUNCS = frozenset({F.batch_norm, torch.batch_norm, torch.native_batch_norm})
+
+
+def _native_mixed_batch_norm(input: Any, others: Iterable[Any]) -> bool:  # noqa: A002 (torch's name)
+    """Whether batch norm can take ``input`` as it is: a 16-bit tensor on a device whose kernels run mixed
+    dtype, and every floating tensor in ``others`` (nested tuples/lists/dicts, or a module's parameters and
+    buffers) FP32. ``None`` and non-floating entries (``num_batches_tracked``, flags, eps) do not matter."""
+    if not isinstance(input, torch.Tensor) or input.dtype not in HALF_DTYPES:
+        return False
+    if not (input.is_cpu or input.device.type in _NATIVE_MIXED_BATCH_NORM_DEVICES):
+        return False
+    stack = list(others)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.is_floating_point() and item.dtype != torch.float32:
+                return False
+        elif isinstance(item, (tuple, list)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return True
+
+
 def _call_fp32(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None, set_dtype: bool
 ) -> Any:
@@ -615,7 +647,10 @@ def _call_fp32(
     input is not copied to FP32 first; the op is called with ``dtype=torch.float32``
     instead, as CUDA autocast does. Same result, but kernels that convert on the fly
     skip a full FP32 copy of the input (CUDA softmax reads fp16 and writes fp32 in
-    one pass); where a kernel cannot (CPU softmax), ATen makes the copy itself."""
+    one pass); where a kernel cannot (CPU softmax), ATen makes the copy itself.
+
+    Batch norm with a 16-bit input and FP32 weight/statistics is called as it is (its kernels compute the
+    statistics in FP32; see ``_native_mixed_batch_norm``): the result is then 16-bit, not FP32."""
     if kwargs and (kwargs.get("dtype") is not None or kwargs.get("out") is not None):
         # An explicit precision or output buffer is the caller's decision.
         return func(*args, **kwargs)
@@ -624,7 +659,11 @@ def _call_fp32(
             return func(*args, **kwargs) if kwargs else func(*args)
 
     first = args[0] if args else None
-    if set_dtype and isinstance(first, torch.Tensor) and first.dtype in HALF_DTYPES:
+    if func in _BATCH_NORM_FUNCS and _native_mixed_batch_norm(first, (args[1:], kwargs)):
+        # 16-bit input, FP32 weight and running stats: statistics in FP32 inside the kernel, no FP32 copy of
+        # the input for autograd to save (see _native_mixed_batch_norm). Autocast still goes off for the call.
+        devices = {"cpu" if first.is_cpu else first.device.type} if _any_autocast_enabled() else ()
+    elif set_dtype and isinstance(first, torch.Tensor) and first.dtype in HALF_DTYPES:
         kwargs = dict(kwargs) if kwargs else {}
         kwargs["dtype"] = torch.float32
         devices = {"cpu" if first.is_cpu else first.device.type} if _any_autocast_enabled() else ()
@@ -699,14 +738,24 @@ class _Fp32ForwardHooks:
     registered with ``always_call=True`` so it restores autocast even when forward
     raises. (A BaseException such as KeyboardInterrupt skips it, but the enclosing
     ``torch.autocast`` block restores its state on exit anyway.) Cost per call: two
-    Python hook calls (~a few microseconds) plus the input upcast copies."""
+    Python hook calls (~a few microseconds) plus the input upcast copies.
+
+    BatchNorm layers (``_BatchNorm``: BatchNorm1d/2d/3d, SyncBatchNorm, the lazy ones) whose parameters and
+    running statistics are FP32 take a 16-bit input as it is, on devices whose kernels run batch norm in
+    mixed dtype (see ``_native_mixed_batch_norm``): statistics in FP32 inside, 16-bit output, and no FP32
+    copy of the activation for autograd to keep."""
 
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type
 
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        new_args = _to_fp32(args, None)
-        new_kwargs = _to_fp32(kwargs, None)
+        if isinstance(module, _BatchNorm) and args and _native_mixed_batch_norm(
+            args[0], (*module._parameters.values(), *module._buffers.values())
+        ):
+            new_args, new_kwargs = args, kwargs
+        else:
+            new_args = _to_fp32(args, None)
+            new_kwargs = _to_fp32(kwargs, None)
         was_enabled = _autocast_enabled(self.device_type)
         _frames().append((module, self.device_type, was_enabled))
         if was_enabled:
@@ -836,6 +885,15 @@ class Fp32Policy:
             for name, aliases in self._aliases.items()
             for _, func in aliases
         }
+        self._mode: _Fp32OpMode | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # by names: the resolved callables include Tensor methods (TensorBase.pow...) that cannot be pickled,
+        # and a policy travels with the plugin to ddp_spawn workers
+        return {"ops": sorted(self._ops), "modules": self._modules}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["ops"], state["modules"])
 
     @property
     def ops(self) -> frozenset[str]:
@@ -858,7 +916,11 @@ class Fp32Policy:
         the block, also when it raises. An empty op list gives a no-op context."""
         if not self._table:
             return _NULL_CONTEXT
-        return _Fp32OpMode(self._table)
+        # one mode object for the policy's lifetime: torch.compile guards on the active mode, so a new object per
+        # step would invalidate every compiled graph (recompiling each step until Dynamo gives up)
+        if self._mode is None:
+            self._mode = _Fp32OpMode(self._table)
+        return self._mode
 
     def checkpoint_context_fn(self) -> Callable[[], tuple[Any, Any]]:
         """``context_fn`` for ``torch.utils.checkpoint(..., use_reentrant=False)``.

@@ -57,6 +57,18 @@ class LossScaler:
         max_consecutive_skips: this many skipped steps in a row stop the run, whatever the mode.
     """
 
+    # the knobs, declared once here: MixedPrecisionPlugin passes them through by name
+    KNOBS = (
+        "init_scale",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "hysteresis",
+        "min_scale",
+        "max_scale",
+        "max_consecutive_skips",
+    )
+
     def __init__(
         self,
         mode: str | float | None = "dynamic",
@@ -142,10 +154,10 @@ class LossScaler:
         device = grads[0].device
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
         inv = self._inv_scale_on(device)
-        by_device: dict[torch.device, list[Tensor]] = {}
+        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for g in grads:
-            by_device.setdefault(g.device, []).append(g)
-        for dev, group in by_device.items():
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        for (dev, _), group in groups.items():
             flag = found_inf if dev == device else torch.zeros((), dtype=torch.float32, device=dev)
             torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv.to(dev))
             if flag is not found_inf:

@@ -1,163 +1,211 @@
-"""FP32 master weights for a model whose parameters live in 16 bits.
+"""FP32 master weights: the model's own parameters are the FP32 masters; forward and backward run on 16-bit copies.
 
-Why: an update smaller than half a 16-bit ulp of the weight rounds away. At a weight of 1.0 that is anything
-below 2^-8 in bf16 or 2^-11 in fp16, so ``lr * grad`` of 1e-4 never moves a bf16 weight. The optimizer
-therefore owns an FP32 copy (the master) of every trainable 16-bit parameter; gradients are accumulated into
-the master in FP32 and the 16-bit parameter is re-rounded from the master after each applied step.
+Why masters: an update smaller than half a 16-bit ulp of the weight rounds away. At a weight of 1.0 that is
+anything below 2^-8 in bf16 or 2^-11 in fp16, so ``lr * grad`` of 1e-4 never moves a bf16 weight. The optimizer
+must update FP32 values, and gradients of several micro-batches must be summed in FP32.
 
-Memory per trainable parameter: 2 B (16-bit param) + 4 B (master) + 4 B (FP32 master grad: one buffer per
-master, allocated once and refilled every step, so a step allocates nothing and a gradient tensor kept across
-steps is overwritten by the next one) + optimizer state; the 16-bit gradient is freed as soon as it is folded into
-the master. Activations, the bulk of training memory, are 16-bit.
+The shape chosen here: between steps every parameter *is* its FP32 master (``p.data`` is FP32), so everything
+Lightning and user code do outside the forward/backward sees and changes the exact values: the optimizer and its
+state (created from FP32 parameters, whatever the optimizer does in its constructor), ``state_dict`` and
+checkpoints, ``toggle_optimizer``, ``BaseFinetuning`` and ``add_param_group``, parameters unfrozen mid-fit, weight
+averaging (EMA, SWA), pruning, ``load_state_dict`` mid-fit, clipping, ``grad_norm``. Only for the forward and
+backward of a step does :meth:`swap_in` give each parameter a 16-bit copy (rounded to nearest from its current
+FP32 value); :meth:`swap_out` gives the FP32 value back and folds the 16-bit gradient into the FP32 ``.grad``.
 
-Bookkeeping:
+Memory per converted parameter at rest: 4 B (FP32 parameter) + 4 B (FP32 gradient) + optimizer state, as in FP32
+training. During forward and backward: +2 B for the 16-bit copy (one flat buffer, freed at swap-out) and the
+16-bit gradients autograd produces until they are folded: the same transient that autocast's weight cache and
+its gradients cost Lightning's ``*-mixed`` plugins. Cost per swap-in: one fused cast-copy of the converted
+parameters (as autocast casts every weight once per forward), plus a host-side loop that sets ``.data``.
 
-* :meth:`convert` (Lightning's ``convert_module``) rounds parameters to 16 bits but keeps each one's original
-  FP32 tensor. No copy is made: the original storage becomes the master (so a fresh run starts from the exact
-  FP32 initialisation, not a rounded one) or, for parameters no optimizer trains, is what :meth:`restore`
-  puts back (nothing is rounded behind the user's back).
-* :meth:`attach` swaps masters into an optimizer's ``param_groups``; the optimizer never sees a 16-bit tensor.
-* :meth:`fold_grads` moves 16-bit gradients into the FP32 master gradients (``master.grad += grad16``), called
-  after every backward, so accumulation over micro-batches happens in FP32 (bf16 keeps only 8 significant bits).
-* :meth:`copy_to_model` re-rounds the 16-bit parameters from the masters after an applied step.
-* :meth:`restore` (teardown) puts the FP32 values back into the model and the model's parameters back into the
-  optimizer, leaving both as plain FP32 training would.
+Writes are never lost: :meth:`swap_in` reads each parameter's *current* ``.data`` (so a ``p.data = ...``
+reassignment, as ``torch.nn.utils.prune.remove`` does, is taken as the new master), and a write to a
+parameter during the 16-bit period (its version counter moved, or its ``.data`` was replaced) is taken into the
+master at swap-out instead of being discarded.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterable
+
 import torch
 from torch import Tensor, nn
-from torch.optim import Optimizer
+from torch.nn.parameter import is_lazy
+
+from lightning_mp.formats import HALF_DTYPES
 
 
 class MasterWeights:
-    """Owns the 16-bit <-> FP32 pairing of a model's parameters.
+    """Swaps 16-bit working copies in and out of a module's parameters.
 
     Args:
-        dtype: the 16-bit storage format of the model's parameters.
+        dtype: the 16-bit compute format of the working copies.
         keep_fp32: ``keep_fp32(module)`` is true for modules whose own parameters stay FP32 (norm layers...).
     """
 
     def __init__(self, dtype: torch.dtype, keep_fp32=lambda module: False) -> None:
         self.dtype = dtype
         self._keep_fp32 = keep_fp32
-        # param -> its tensor before conversion (for params that have no master)
-        self._originals: dict[nn.Parameter, Tensor] = {}
-        # parallel lists of 16-bit model params and their FP32 masters
-        self.params: list[nn.Parameter] = []
-        self.masters: list[nn.Parameter] = []
-        # one FP32 gradient buffer per master, reused every step (no per-step allocation): a master's .grad is its
-        # buffer from the first backward of an accumulation window until zero_grad sets it to None
-        self._grad_buffers: list[Tensor] = []
-        self._master_of: dict[nn.Parameter, nn.Parameter] = {}
-        self._optimizers: list[Optimizer] = []
+        self.params: list[nn.Parameter] = []  # converted parameters: FP32 at rest, 16-bit while swapped in
+        self._pending_lazy: list[nn.Parameter] = []  # uninitialized parameters, adopted once materialized
+        self._known: set[nn.Parameter] = set()
+        # while swapped in: per converted param, its FP32 value, its FP32 gradient (or None), and the identity and
+        # version of its 16-bit copy (to notice writes during the forward/backward)
+        self._fp32: list[Tensor] | None = None
+        self._fp32_grads: list[Tensor | None] = []
+        self._marks: list[tuple[int, int]] = []
+        # parameters whose FP32 gradients an optimizer step has consumed (applied or skipped): dropped at the next
+        # swap-in, since the zero_grad that follows (Lightning's, after the forward; the user's, anywhere in
+        # training_step) finds only the 16-bit gradient slot while the copies are swapped in
+        self._consumed: set[nn.Parameter] = set()
+
+    @property
+    def swapped_in(self) -> bool:
+        return self._fp32 is not None
 
     # ------------------------------------------------------------------ set-up
     @torch.no_grad()
     def convert(self, module: nn.Module) -> nn.Module:
-        """Store the module's floating parameters in 16 bits (except those of ``keep_fp32`` modules)."""
-        # a parameter shared with a kept module (a tied embedding and output head) stays FP32 everywhere
+        """Choose the parameters that compute in 16 bits; a parameter already in 16 bits gets an FP32 master
+        from its value (the bits already lost stay lost), with one warning."""
+        # a parameter shared with a kept module (a tied embedding and output head) stays FP32 everywhere;
+        # parametrized parameters (spectral_norm...) stay FP32 too: the parametrization computes with FP32
+        # buffers, and autocast rounds its result where a matmul uses it
         kept = {p for mod in module.modules() if self._keep_fp32(mod) for p in mod.parameters(recurse=False)}
-        for mod in module.modules():
-            for p in mod.parameters(recurse=False):
-                if p in kept or not p.is_floating_point() or p.dtype == self.dtype or p in self._originals:
-                    continue
-                self._originals[p] = p.data
-                p.data = p.data.to(self.dtype)
+        kept |= {
+            p
+            for mod in module.modules()
+            if isinstance(mod, nn.utils.parametrize.ParametrizationList)
+            for p in mod.parameters(recurse=False)
+        }
+        pre_cast = []
+        for p in module.parameters():
+            if p in self._known or p in kept:
+                continue
+            if is_lazy(p):
+                self._pending_lazy.append(p)
+                continue
+            if not p.is_floating_point():
+                continue
+            if p.dtype in HALF_DTYPES:
+                pre_cast.append(p)
+                p.data = p.data.float()
+            elif p.dtype != torch.float32:
+                continue  # float64 parameters are the user's explicit choice
+            self.params.append(p)
+            self._known.add(p)
+        if pre_cast:
+            warnings.warn(
+                f"{len(pre_cast)} parameters were already in {pre_cast[0].dtype} before fit: their FP32 masters "
+                "start from the 16-bit values, so the bits lost in that cast stay lost. HINT: build or load the "
+                "model in FP32 and let MixedPrecisionPlugin make the 16-bit copies; the model is FP32 after fit.",
+                stacklevel=2,
+            )
         return module
 
-    @torch.no_grad()
-    def attach(self, optimizer: Optimizer) -> None:
-        """Put FP32 masters in place of the 16-bit parameters this optimizer trains."""
-        swapped: dict[Tensor, Tensor] = {}
-        for group in optimizer.param_groups:
-            new_params = []
-            for p in group["params"]:
-                if p in self._master_of:
-                    master = self._master_of[p]
-                elif p in self._originals and p.requires_grad:
-                    original = self._originals.pop(p)
-                    master = nn.Parameter(original.float(), requires_grad=True)
+    def _adopt_materialized(self) -> None:
+        ready = [p for p in self._pending_lazy if not is_lazy(p)]
+        if ready:
+            self._pending_lazy = [p for p in self._pending_lazy if is_lazy(p)]
+            for p in ready:
+                if p.is_floating_point() and p.dtype == torch.float32 and p not in self._known:
                     self.params.append(p)
-                    self.masters.append(master)
-                    self._grad_buffers.append(torch.empty_like(master))
-                    self._master_of[p] = master
-                else:  # FP32 already (kept modules, or master_weights over an FP32 model): the param is its master
-                    master = p
-                if master is not p:
-                    swapped[p] = master
-                new_params.append(master)
-            group["params"][:] = new_params  # in place: LBFGS keeps a reference to this very list
-        _rekey_state(optimizer, swapped)
-        self._optimizers.append(optimizer)
+                    self._known.add(p)
 
     # ------------------------------------------------------------------ per step
     @torch.no_grad()
-    def fold_grads(self) -> None:
-        """``master.grad += param.grad`` in FP32 for every 16-bit param with a gradient; frees the 16-bit grad.
-
-        Two fused calls for the whole model: masters without a gradient (first micro-batch of a window) get their
-        buffer filled with the cast of the 16-bit gradient (``_foreach_copy_`` casts), the others take a
-        mixed-dtype ``_foreach_add_``. The Python loop only sorts tensors into the two lists.
-        """
-        fresh, fresh_grads, acc, acc_grads = [], [], [], []
-        for p, m, buf in zip(self.params, self.masters, self._grad_buffers):
-            g = p.grad
-            if g is None:
-                continue
-            if m.grad is None:
-                m.grad = buf
-                fresh.append(buf)
-                fresh_grads.append(g)
-            else:
-                acc.append(m.grad)
-                acc_grads.append(g)
+    def swap_in(self) -> None:
+        """Give every converted parameter a 16-bit copy of its current FP32 value (idempotent)."""
+        if self._fp32 is not None:
+            return
+        if self._pending_lazy:
+            self._adopt_materialized()
+        params = self.params
+        if not params:
+            return
+        fp32 = [p.data for p in params]
+        consumed, self._consumed = self._consumed, set()
+        self._fp32_grads = [None if p in consumed else p.grad for p in params]
+        copies = _flat_copies(fp32, self.dtype)
+        torch._foreach_copy_(copies, fp32)  # round to nearest, one fused pass
+        marks = []
+        for p, c in zip(params, copies):
             p.grad = None
-        if fresh:
-            torch._foreach_copy_(fresh, fresh_grads)
+            p.data = c
+            marks.append((c.data_ptr(), p._version))
+        self._marks = marks
+        self._fp32 = fp32
+
+    @torch.no_grad()
+    def swap_out(self) -> None:
+        """Give the FP32 values back and fold 16-bit gradients into the FP32 ``.grad`` (idempotent).
+
+        A parameter without an FP32 gradient gets one from one flat FP32 buffer filled by a fused cast-copy; one
+        with an FP32 gradient from an earlier micro-batch of the window takes a fused mixed-dtype add, so
+        accumulation sums in FP32 (bf16 keeps only 8 significant bits).
+        """
+        fp32 = self._fp32
+        if fp32 is None:
+            return
+        fresh_p, fresh_g, acc, acc_g = [], [], [], []
+        written = []
+        for p, master, grad, (ptr, version) in zip(self.params, fp32, self._fp32_grads, self._marks):
+            g16 = p.grad
+            if p.data_ptr() != ptr or p._version != version:
+                written.append((master, p.data))  # written during the forward/backward: keep that write
+            p.data = master
+            if g16 is None:
+                p.grad = grad
+            elif grad is None:
+                fresh_p.append(p)
+                fresh_g.append(g16)
+            else:
+                acc.append(grad)
+                acc_g.append(g16)
+                p.grad = grad
+        self._fp32, self._fp32_grads, self._marks = None, [], []
+        for master, value in written:
+            if master.data_ptr() != value.data_ptr():
+                master.copy_(value)
         if acc:
-            torch._foreach_add_(acc, acc_grads)
+            torch._foreach_add_(acc, acc_g)
+        if fresh_g:
+            buffers = _flat_copies(fresh_g, torch.float32)
+            torch._foreach_copy_(buffers, fresh_g)
+            for p, b in zip(fresh_p, buffers):
+                p.grad = b
 
-    @torch.no_grad()
-    def copy_to_model(self) -> None:
-        """Re-round the 16-bit parameters from the masters (one fused copy with the cast)."""
-        if self.params:
-            torch._foreach_copy_(self.params, self.masters)
+    def mark_consumed(self, params: Iterable[nn.Parameter]) -> None:
+        """An optimizer step read these parameters' gradients: the next swap-in starts a new window for them."""
+        self._consumed.update(params)
 
-    # ------------------------------------------------------------------ access
-    def master_of(self, param: nn.Parameter) -> nn.Parameter | None:
-        return self._master_of.get(param)
+    # ------------------------------------------------------------------ access and teardown
+    def fp32_value(self, param: nn.Parameter) -> Tensor:
+        """The FP32 value of a parameter, also while the 16-bit copies are swapped in."""
+        if self._fp32 is not None:
+            for p, master in zip(self.params, self._fp32):
+                if p is param:
+                    return master
+        return param.detach()
 
-    def fp32_value(self, param: nn.Parameter) -> Tensor | None:
-        """The exact FP32 value of a converted parameter (its master, or its untouched original)."""
-        master = self._master_of.get(param)
-        if master is not None:
-            return master.detach()
-        return self._originals.get(param)
-
-    # ------------------------------------------------------------------ teardown
-    @torch.no_grad()
-    def restore(self) -> None:
-        """Give the model back its FP32 values and the optimizers back the model's parameters."""
-        back = {m: p for p, m in self._master_of.items()}
-        for opt in self._optimizers:
-            for group in opt.param_groups:
-                group["params"][:] = [back.get(q, q) for q in group["params"]]
-            _rekey_state(opt, back)
-        for p, m in zip(self.params, self.masters):
-            p.data = m.data
-            p.grad = m.grad
-        for p, original in self._originals.items():
-            p.data = original
-        self._originals.clear()
-        self.params, self.masters, self._grad_buffers = [], [], []
-        self._master_of.clear()
-        self._optimizers.clear()
+    def release(self) -> None:
+        """Teardown: the model is already FP32 between steps; a run that stopped mid-step gets its values back."""
+        self.swap_out()
+        self.params, self._pending_lazy = [], []
+        self._known.clear()
+        self._consumed.clear()
 
 
-def _rekey_state(optimizer: Optimizer, mapping: dict) -> None:
-    """Optimizer state is keyed by parameter object: follow the swap so no state is orphaned."""
-    for old, new in mapping.items():
-        if old in optimizer.state:
-            optimizer.state[new] = optimizer.state.pop(old)
+def _flat_copies(tensors: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """Uninitialized tensors shaped like ``tensors`` in ``dtype``, views of one buffer per device (one allocation)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    out: list[Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    for device, idx in by_device.items():
+        sizes = [tensors[i].numel() for i in idx]
+        flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+        for i, view in zip(idx, flat.split(sizes)):
+            out[i] = view.view(tensors[i].shape)
+    return out

@@ -29,8 +29,19 @@ def _guarded_class(cls: type) -> type:
                 return
             cls.step(self, *args, **kwargs)
 
-        _GUARDED[cls] = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
+        def __reduce_ex__(self, protocol: int) -> Any:
+            # pickle and deepcopy see the scheduler's own class: the copy is an ordinary, unguarded scheduler
+            # (the guard belongs to this run's plugin), and the dynamic subclass never has to be importable
+            return (_new_instance, (cls,), self.__getstate__())
+
+        _GUARDED[cls] = type(
+            cls.__name__, (cls,), {"step": step, "__reduce_ex__": __reduce_ex__, "__module__": cls.__module__}
+        )
     return _GUARDED[cls]
+
+
+def _new_instance(cls: type) -> Any:
+    return cls.__new__(cls)
 
 
 class SchedulerGuard:

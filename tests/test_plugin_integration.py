@@ -69,46 +69,49 @@ def test_defaults_per_format():
 # ---------------------------------------------------------------------------------------------- master weights
 class Inspect(Callback):
     def __init__(self):
-        self.param_dtypes, self.optim_dtypes, self.output_dtypes = set(), set(), set()
+        self.param_dtypes, self.optim_dtypes, self.between_dtypes = set(), set(), set()
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+    def on_before_backward(self, trainer, pl_module, loss):  # after the forward, before the backward
         self.param_dtypes |= {p.dtype for p in pl_module.parameters()}
-        self.optim_dtypes |= {p.dtype for g in trainer.optimizers[0].param_groups for p in g["params"]}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.optim_dtypes |= {p.dtype for g in optimizer.param_groups for p in g["params"]}
+        self.optim_dtypes |= {p.grad.dtype for g in optimizer.param_groups for p in g["params"]}
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.between_dtypes |= {p.dtype for p in pl_module.parameters()}
 
 
 @pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
-def test_model_lives_in_16_bits_while_the_optimizer_sees_only_fp32_masters(precision, dtype):
+def test_forward_and_backward_run_in_16_bits_while_parameters_and_optimizer_hold_fp32(precision, dtype):
     model, spy = TinyRegressor(), Inspect()
     fit(model, MixedPrecisionPlugin(precision, **FP16_SAFE), max_steps=3, callbacks=[spy])
-    assert spy.param_dtypes == {dtype}
-    assert spy.optim_dtypes == {torch.float32}
-    # after fit the model is handed back in FP32, holding the master values
+    assert spy.param_dtypes == {dtype}  # the 16-bit copies, for the forward and backward
+    assert spy.optim_dtypes == {torch.float32}  # parameters and gradients the optimizer reads
+    assert spy.between_dtypes == {torch.float32}  # what callbacks see between steps: the masters
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
-def test_frozen_and_unoptimized_params_get_no_master_and_are_not_rounded():
+def test_frozen_and_unoptimized_params_are_never_rounded():
     class Partly(TinyRegressor):
         def __init__(self):
             super().__init__()
             self.extra = nn.Parameter(torch.full((3,), 1.0 + 2**-12))  # not in the optimizer
             self.net[0].bias.requires_grad_(False)
 
+        def training_step(self, batch, batch_idx):
+            seen.add(self.extra.dtype)
+            return super().training_step(batch, batch_idx)
+
         def configure_optimizers(self):
             return torch.optim.SGD([p for n, p in self.net.named_parameters() if p.requires_grad], lr=0.1)
 
+    seen = set()
     model = Partly()
     frozen_before = model.net[0].bias.detach().clone()
-    plugin = MixedPrecisionPlugin("bf16")
-    seen = {}
-
-    class Look(Callback):
-        def on_train_batch_end(self, trainer, pl_module, *args):
-            seen["masters"] = len(plugin._masters.masters)
-            seen["extra"] = pl_module.extra.dtype
-
-    fit(model, plugin, max_steps=2, callbacks=[Look()])
-    assert seen == {"masters": 3, "extra": torch.bfloat16}  # net.0.weight, net.2.weight, net.2.bias
-    assert torch.equal(model.net[0].bias, frozen_before)  # restored exactly, not the bf16 rounding
+    fit(model, MixedPrecisionPlugin("bf16"), max_steps=2)
+    assert seen == {torch.bfloat16}  # computes in 16 bits...
+    assert torch.equal(model.net[0].bias, frozen_before)  # ...and keeps its exact FP32 value, not the rounding
     assert torch.equal(model.extra, torch.full((3,), 1.0 + 2**-12))
 
 
@@ -337,18 +340,20 @@ def test_checkpoint_holds_fp32_masters_and_loads_into_a_plain_fp32_model(tmp_pat
     captured = {}
 
     class Grab(Callback):
+        def on_before_backward(self, trainer, pl_module, loss):
+            captured["rounded"] = {k: v.detach().clone() for k, v in pl_module.named_parameters()}
+
         def on_train_end(self, trainer, pl_module):
             trainer.save_checkpoint(tmp_path / "last.ckpt")
-            captured["rounded"] = {k: v.detach().clone() for k, v in pl_module.named_parameters()}
             captured["masters"] = {k: v.clone() for k, v in pl_module.state_dict().items()}
 
     fit(model, plugin, max_steps=5, callbacks=[Grab()])
     ckpt = torch.load(tmp_path / "last.ckpt", weights_only=False)
     assert {v.dtype for v in ckpt["state_dict"].values()} == {torch.float32}
     assert same_tree(ckpt["state_dict"], captured["masters"])
-    assert captured["rounded"]["net.0.weight"].dtype == torch.bfloat16
-    assert not torch.equal(captured["rounded"]["net.0.weight"].float(), ckpt["state_dict"]["net.0.weight"])
+    assert captured["rounded"]["net.0.weight"].dtype == torch.bfloat16  # the last forward's copy
     assert ckpt["MixedPrecisionPlugin"]["scaler"]["skipped_steps"] == 0
+    assert ckpt["MixedPrecisionPlugin"]["version"] == 2
 
     loaded = TinyRegressor.load_from_checkpoint(tmp_path / "last.ckpt")
     assert same_tree(loaded.state_dict(), ckpt["state_dict"])
