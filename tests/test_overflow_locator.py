@@ -1,0 +1,263 @@
+"""OverflowLocator without a Trainer: which module it names, in which phase, what it costs to leave installed."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mp import overflow_locator as ol
+from lightning_mp.overflow_locator import OverflowLocator, OverflowReport
+from tests.conftest import cuda
+
+
+class Scale(nn.Module):
+    """Multiplies by a constant: x 1e6 overflows FP16 (65504) for any input above ~0.07."""
+
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return x * self.factor
+
+
+class _AmplifyGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class GradAmplifier(nn.Module):
+    """Identity in the forward; multiplies the gradient by ``factor`` in the backward: a backward-only overflow."""
+
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return _AmplifyGrad.apply(x, self.factor)
+
+
+class OwnCode(nn.Module):
+    """Overflows in its own forward code, between two submodules."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x) * 1e6)
+
+
+class OutOfOrder(nn.Module):
+    """Registers `late` before `early` but calls `early` first: execution order, not registration order, counts."""
+
+    def __init__(self):
+        super().__init__()
+        self.late = Scale(1e6)
+        self.early = Scale(1e6)
+
+    def forward(self, x):
+        return self.late(self.early(x))
+
+
+def half_mlp(middle):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), middle, nn.ReLU(), nn.Linear(8, 1)).half()
+
+
+def step(model, locator, x, scale=1.0):
+    locator.begin_step()
+    (model(x).float().sum() * scale).backward()
+    return locator.report()
+
+
+X = torch.full((3, 4), 0.5, dtype=torch.half)
+
+
+@pytest.fixture(params=["eager", "deferred"])
+def path(request, monkeypatch):
+    """Both check paths on the CPU: read at once (CPU) and kept on the device until report() (CUDA and others)."""
+    if request.param == "deferred":
+        monkeypatch.setattr(ol, "_EAGER_DEVICE_TYPES", frozenset())
+    return request.param
+
+
+# ---------------------------------------------------------------------------------------------- forward
+def test_forward_overflow_names_the_module_whose_output_went_inf_and_its_input_magnitude(path):
+    model = half_mlp(Scale(1e6))
+    locator = OverflowLocator(model)
+    report = step(model, locator, X)
+    h = model[0](X)
+    assert report == OverflowReport("forward", "1", "Scale", "output", "inf", h.abs().max().item())
+    assert str(report).startswith("forward overflow in `1` (Scale): output went inf; largest input magnitude ")
+
+
+def test_the_first_module_in_execution_order_is_named_not_the_first_registered(path):
+    model = OutOfOrder().half()
+    report = step(model, OverflowLocator(model), torch.ones(2, 2, dtype=torch.half, requires_grad=True))
+    assert (report.module, report.phase) == ("early", "forward")
+
+
+def test_an_overflow_in_a_parents_own_code_names_the_parent(path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), OwnCode()).half()
+    report = step(model, OverflowLocator(model), X)
+    assert (report.module, report.module_type, report.tensor, report.phase) == ("1", "OwnCode", "own code", "forward")
+    assert "own forward code" in str(report)
+
+
+def test_a_non_finite_batch_is_reported_at_the_first_module_with_its_input_non_finite(path):
+    model = half_mlp(nn.Identity())
+    x = X.clone()
+    x[0, 0] = math.nan
+    report = step(model, OverflowLocator(model), x)
+    assert (report.module, report.value, report.input_amax) == ("0", "nan", math.inf)
+    assert str(report).endswith("its input was already non-finite")
+
+
+# ---------------------------------------------------------------------------------------------- backward
+def test_a_backward_only_overflow_names_the_parameter_free_module_whose_backward_made_it(path):
+    model = half_mlp(GradAmplifier(1e6))
+    report = step(model, OverflowLocator(model), X, scale=1.0)
+    assert (report.phase, report.module, report.module_type, report.tensor) == (
+        "backward", "1", "GradAmplifier", "input gradient"
+    )  # fmt: skip
+    assert report.input_amax is None and str(report) == (
+        "backward overflow in `1` (GradAmplifier): input gradient went inf"
+    )
+
+
+def test_without_input_grads_the_nearest_parameter_upstream_is_named(path):
+    model = half_mlp(GradAmplifier(1e6))
+    report = step(model, OverflowLocator(model, input_grads=False), X)
+    assert (report.phase, report.module, report.tensor) == ("backward", "0", "gradient of bias")
+
+
+def test_a_loss_scale_too_large_names_the_last_layer_in_the_backward(path):
+    model = half_mlp(nn.Identity())
+    report = step(model, OverflowLocator(model), X, scale=2.0**20)  # 3 rows x 2^20 > 65504 in the weight gradient
+    assert report.phase == "backward" and report.module == "3"
+
+
+def test_a_forward_overflow_wins_over_the_backward_non_finite_it_causes(path):
+    model = half_mlp(Scale(1e6))
+    assert step(model, OverflowLocator(model), X, scale=2.0**20).phase == "forward"
+
+
+# ---------------------------------------------------------------------------------------------- clean steps
+def test_a_clean_step_reports_none_and_begin_step_forgets_the_last_overflow(path):
+    model = half_mlp(Scale(1.0))
+    locator = OverflowLocator(model)
+    assert step(model, locator, X) is None
+    model[1].factor = 1e6
+    assert step(model, locator, X) is not None
+    model[1].factor = 1.0
+    assert step(model, locator, X) is None
+
+
+def test_fp16_tensors_whose_sum_passes_65504_are_not_mistaken_for_overflow(path):
+    model = nn.Sequential(Scale(1.0)).half()
+    locator = OverflowLocator(model)
+    big = torch.full((4, 8), 60000.0, dtype=torch.half, requires_grad=True)  # every row sums to 480000
+    assert step(model, locator, big) is None
+
+
+def test_forwards_without_autograd_are_not_checked(path):
+    model = half_mlp(Scale(1e6))
+    locator = OverflowLocator(model)
+    locator.begin_step()
+    with torch.no_grad():
+        model(X)
+    assert locator.report() is None and not locator._records and not locator._found
+
+
+def test_the_locator_changes_no_output_and_no_gradient():
+    model = half_mlp(Scale(3.0))
+    x = X.clone().requires_grad_()
+    out = model(x)
+    out.float().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model.zero_grad()
+    x.grad = None
+    locator = OverflowLocator(model)
+    locator.begin_step()
+    out2 = model(x)
+    out2.float().sum().backward()
+    assert torch.equal(out, out2)
+    for a, b in zip(grads, [p.grad for p in model.parameters()] + [x.grad]):
+        assert torch.equal(a, b)
+
+
+def test_remove_takes_every_hook_off():
+    model = half_mlp(Scale(1e6))
+    locator = OverflowLocator(model)
+    locator.remove()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert all(not p._backward_hooks for p in model.parameters())
+    assert step(model, locator, X) is None
+
+
+def test_a_forgotten_begin_step_stops_recording_instead_of_growing(path, monkeypatch):
+    monkeypatch.setattr(ol, "_MAX_RECORDS", 10)
+    model = half_mlp(Scale(1.0))
+    locator = OverflowLocator(model)
+    for _ in range(5):
+        model(X).float().sum().backward()
+    assert len(locator._records) <= 10
+
+
+def test_each_activation_is_checked_once_in_the_device_path(monkeypatch):
+    monkeypatch.setattr(ol, "_EAGER_DEVICE_TYPES", frozenset())
+    inner = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    model = nn.Sequential(inner, nn.Linear(4, 1))  # `inner` returns its ReLU's tensor
+    locator = OverflowLocator(model, input_grads=False)
+    locator.begin_step()
+    model(torch.ones(2, 4)).sum().backward()
+    forward = [locator.module_names[r[1]] for r in locator._records if r[2] == 0 and r[4]]
+    assert forward == ["0.0", "0.1", "1"]  # not "0" (same tensor as "0.1") and not "" (same as "1")
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+@pytest.mark.parametrize("bad", [None, "model", 3])
+def test_model_must_be_a_module(bad):
+    with pytest.raises(ValueError, match=rf"model={bad!r} is not allowed.*nn.Module"):
+        OverflowLocator(bad)
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_input_grads_must_be_a_bool(bad):
+    with pytest.raises(ValueError, match=rf"input_grads={bad!r} is not allowed: use True or False"):
+        OverflowLocator(nn.Linear(2, 2), input_grads=bad)
+
+
+def test_report_phase_is_checked():
+    with pytest.raises(ValueError, match=r"phase='sideways' is not allowed.*forward.*backward"):
+        OverflowReport("sideways", "a", "Linear", "output", "inf")
+
+
+# ---------------------------------------------------------------------------------------------- CUDA
+@cuda
+@pytest.mark.cuda
+def test_on_cuda_a_clean_step_makes_no_host_sync_and_an_overflow_is_still_named():
+    model = half_mlp(Scale(1.0)).cuda()
+    locator = OverflowLocator(model)
+    x = X.cuda()
+    step(model, locator, x)  # warm up: first-call allocations may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        locator.begin_step()
+        model(x).float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert locator.report() is None
+    model[1].factor = 1e6
+    assert step(model, locator, x).module == "1"
