@@ -20,6 +20,7 @@ batch use one scale and move the state machine once.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any, Callable
@@ -28,6 +29,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
@@ -37,8 +39,11 @@ from lightning_mp.formats import Format, resolve_precision
 from lightning_mp.fp32_policy import DEFAULT_FP32_MODULES, DEFAULT_FP32_OPS, Fp32Policy
 from lightning_mp.loss_scaler import LossScaler
 from lightning_mp.master_weights import MasterWeights
+from lightning_mp.overflow_locator import OverflowLocator, OverflowReport
 from lightning_mp.scheduler_guard import SchedulerGuard
 from lightning_mp.step import MixedPrecisionStep
+
+log = logging.getLogger(__name__)
 
 
 class MixedPrecisionPlugin(Precision):
@@ -66,6 +71,10 @@ class MixedPrecisionPlugin(Precision):
             sync per optimizer step, which Lightning's ``bf16-mixed`` does not pay; ``False`` with no loss scaling
             removes both (a non-finite gradient then reaches the weights, as in ``bf16-mixed``). With scaling on,
             the fused unscale checks anyway.
+        locate_overflows: on every skipped step, name the first module whose forward output (or else whose
+            gradient in the backward) went non-finite (:class:`lightning_mp.overflow_locator.OverflowLocator`):
+            in a log line, in :attr:`last_overflow`, and in the ``FloatingPointError`` that stops a run. Checks stay
+            on the device and are read only on a skipped step; ``False`` removes the hooks and their cost.
         **scaler_knobs: the dynamic scaler's knobs, declared once in :class:`lightning_mp.loss_scaler.LossScaler`:
             ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``hysteresis``,
             ``min_scale``, ``max_scale``, ``max_consecutive_skips``.
@@ -87,6 +96,7 @@ class MixedPrecisionPlugin(Precision):
         fp32_modules: Sequence[type[nn.Module]] = DEFAULT_FP32_MODULES,
         skip_scheduler_on_overflow: bool = True,
         check_finite: bool = True,
+        locate_overflows: bool = True,
         **scaler_knobs: Any,
     ) -> None:
         super().__init__()
@@ -96,6 +106,7 @@ class MixedPrecisionPlugin(Precision):
             ("master_weights", master_weights),
             ("skip_scheduler_on_overflow", skip_scheduler_on_overflow),
             ("check_finite", check_finite),
+            ("locate_overflows", locate_overflows),
         ):
             if not isinstance(value, bool) and not (name == "master_weights" and value is None):
                 allowed = "True, False or None (auto)" if name == "master_weights" else "True or False"
@@ -113,6 +124,9 @@ class MixedPrecisionPlugin(Precision):
         self.scaler = LossScaler(loss_scale, **scaler_knobs)
         self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
         self.check_finite = check_finite
+        self.locate_overflows = locate_overflows
+        self._locator: OverflowLocator | None = None
+        self._last_overflow: OverflowReport | None = None
         self.policy = Fp32Policy(fp32_ops, fp32_modules)
         self._masters: MasterWeights | None = None
         self._step = MixedPrecisionStep(self.scaler, check_finite=check_finite, fp32_grads=self.master_weights)
@@ -146,6 +160,12 @@ class MixedPrecisionPlugin(Precision):
     def optimizer_steps(self) -> int:
         """Training steps the scaler has seen (applied and skipped); moves once per step, several optimizers or not."""
         return self.scaler.steps
+
+    @property
+    def last_overflow(self) -> OverflowReport | None:
+        """Where the most recent skipped step went non-finite (``None`` before any skip, with
+        ``locate_overflows=False``, or when no watched module's output or gradient was non-finite)."""
+        return self._last_overflow
 
     @property
     def step(self) -> MixedPrecisionStep:
@@ -230,6 +250,9 @@ class MixedPrecisionPlugin(Precision):
             self._handles.append(SchedulerGuard(step_schedulers, lambda: self._step.skipping))
         if self.format.is_16bit:
             self._handles.append(self.policy.install(model, self._device_type))
+        if self.locate_overflows:
+            self._locator = OverflowLocator(self._lightning_module or model)
+            self._handles.append(self._locator)
         return model, optimizers, lr_schedulers
 
     @override
@@ -273,7 +296,7 @@ class MixedPrecisionPlugin(Precision):
             yield
         if self._lightning_module is not None and not self._lightning_module.automatic_optimization:
             self._swap_out()  # a training_step without backward
-            self._step.end_training_step(self._global_step())
+            self._end_training_step()
 
     @contextlib.contextmanager
     def _eval_step_context(self) -> Generator[None, None, None]:
@@ -325,8 +348,27 @@ class MixedPrecisionPlugin(Precision):
         output = self._step.step(optimizer, **kwargs)
         self._consumed(optimizer)
         if model.automatic_optimization:
-            self._step.end_training_step(self._global_step())
+            self._end_training_step()
         return output
+
+    def _end_training_step(self) -> None:
+        """Move the scale once; on a skipped step, say where it overflowed (the locator's one read-back)."""
+        report = None
+        if self._step.in_progress and self._step.skipping:
+            report = self._locator.report() if self._locator is not None else None
+            self._last_overflow = report or self._last_overflow
+            if _rank_zero():
+                where = f": {report}" if report is not None else ""
+                log.warning(f"step {self._global_step()} skipped (loss scale {self.loss_scale:g}){where}")
+        try:
+            self._step.end_training_step(self._global_step())
+        except FloatingPointError as err:
+            if report is None:
+                raise
+            raise FloatingPointError(f"{err} Where it first went non-finite: {report}.") from err
+        finally:
+            if self._locator is not None:
+                self._locator.begin_step()
 
     @override
     def clip_gradients(
@@ -427,6 +469,10 @@ def _check_device_supports(fmt: Format, device_type: str) -> None:
             f"precision='bf16' was requested but {torch.cuda.get_device_name()} has no bfloat16 support. "
             "HINT: use precision='fp16' (with dynamic loss scaling) on this GPU."
         )
+
+
+def _rank_zero() -> bool:
+    return getattr(rank_zero_only, "rank", 0) == 0
 
 
 def _find_lightning_module(model: nn.Module) -> LightningModule | None:

@@ -1,0 +1,90 @@
+"""The overflow locator through the Trainer: the module named on a skipped step, in the log and in the error."""
+
+import logging
+
+import lightning as L
+import pytest
+from torch import nn
+
+from lightning_mp import MixedPrecisionPlugin
+from tests.conftest import TinyRegressor, regression_data, trainer_kwargs
+from tests.test_overflow_locator import GradAmplifier, Scale
+
+
+class Middle(TinyRegressor):
+    """TinyRegressor with ``middle`` between its two Linear layers: ``net.0`` -> ``net.1`` (middle) -> ReLU -> ..."""
+
+    def __init__(self, middle, **kwargs):
+        super().__init__(**kwargs)
+        self.net = nn.Sequential(nn.Linear(8, 16), middle, nn.ReLU(), nn.Linear(16, 1))
+
+
+def fit(model, plugin, max_steps=3):
+    trainer = L.Trainer(plugins=[plugin], **trainer_kwargs(max_steps=max_steps))
+    trainer.fit(model, regression_data())
+    return trainer
+
+
+def test_a_forward_overflow_stops_the_run_naming_the_module_in_the_error_the_log_and_the_property(caplog):
+    plugin = MixedPrecisionPlugin("fp16", init_scale=1.0, min_scale=1.0)
+    with caplog.at_level(logging.WARNING, logger="lightning_mp.plugin"):
+        with pytest.raises(FloatingPointError) as err:
+            fit(Middle(Scale(1e6)), plugin)
+    message = str(err.value)
+    # the scaler's own message is kept: the step, the scale and the hint, then where it went non-finite
+    assert message.startswith("Non-finite gradients at step 0 with loss scale 1") and "HINT:" in message
+    assert "Where it first went non-finite: forward overflow in `net.1` (Scale): output went inf" in message
+    assert "net.0" not in message  # the Linear before it ran finite, and is not blamed
+    report = plugin.last_overflow
+    assert (report.phase, report.module, report.module_type, report.tensor) == ("forward", "net.1", "Scale", "output")
+    assert 0 < report.input_amax < 65504  # a finite input, so the overflow is the module's own doing
+    assert [r.getMessage() for r in caplog.records] == [f"step 0 skipped (loss scale 1): {report}"]
+
+
+def test_a_backward_only_overflow_is_named_as_backward_and_the_run_goes_on():
+    plugin = MixedPrecisionPlugin("fp16", init_scale=2.0**8)
+    fit(Middle(GradAmplifier(2.0**20)), plugin, max_steps=4)  # every step overflows at 2^8 and below
+    report = plugin.last_overflow
+    assert plugin.skipped_steps == 4
+    assert (report.phase, report.module, report.module_type) == ("backward", "net.1", "GradAmplifier")
+    assert str(report).startswith("backward overflow in `net.1` (GradAmplifier)")
+
+
+def test_a_clean_run_has_no_overflow_to_report(caplog):
+    plugin = MixedPrecisionPlugin("fp16", init_scale=2.0**8)
+    with caplog.at_level(logging.WARNING, logger="lightning_mp.plugin"):
+        fit(Middle(Scale(2.0)), plugin)
+    assert plugin.skipped_steps == 0 and plugin.last_overflow is None and not caplog.records
+
+
+def test_a_nan_loss_in_bf16_is_skipped_and_logged_without_a_module_to_blame(caplog):
+    plugin = MixedPrecisionPlugin("bf16")
+    with caplog.at_level(logging.WARNING, logger="lightning_mp.plugin"):
+        fit(TinyRegressor(fault_at={1}, fault=float("nan")), plugin)
+    assert plugin.skipped_steps == 1
+    # the NaN came from the loss, after every module: the backward names the last layer it reached first
+    assert plugin.last_overflow.phase == "backward" and plugin.last_overflow.module == "net.2"
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["step 1 skipped (loss scale 1)"]
+
+
+def test_locate_overflows_false_installs_nothing_and_reports_nothing():
+    model = Middle(Scale(1e6))
+    plugin = MixedPrecisionPlugin("fp16", init_scale=1.0, min_scale=1.0, locate_overflows=False)
+    with pytest.raises(FloatingPointError) as err:
+        fit(model, plugin)
+    assert "Where it first went non-finite" not in str(err.value)
+    assert plugin.last_overflow is None
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_the_hooks_come_off_at_the_end_of_fit():
+    model = Middle(Scale(1.0))
+    fit(model, MixedPrecisionPlugin("fp16"))
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    assert all(not p._backward_hooks for p in model.parameters())
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_locate_overflows_must_be_a_bool(bad):
+    with pytest.raises(ValueError, match=rf"locate_overflows={bad!r} is not allowed: use True or False"):
+        MixedPrecisionPlugin("fp16", locate_overflows=bad)
