@@ -1,0 +1,277 @@
+"""Emulated 16-bit GEMMs: FP32 speed for bf16/fp16 training on CPUs without 16-bit arithmetic.
+
+A hardware 16-bit GEMM (tensor cores, AMX, AVX512-BF16) reads 16-bit operands, accumulates in FP32 and rounds
+the result to 16 bits. On a CPU without such instructions torch runs 16-bit GEMMs through a scalar fallback,
+5-100x slower than FP32 (measured: ``nn.Linear(256, 1024)`` on 2048 rows, fwd+bwd, on an ``AVX2`` CPU: FP32
+107 ms, bf16 2047 ms). Computing the same product as an FP32 GEMM on the 16-bit values and rounding its result
+to 16 bits keeps those numerics (99.99% of elements bit-identical to the bf16 kernel, the rest 1 ulp: the two
+differ only in the order of the FP32 accumulation) and runs at FP32 speed.
+
+Where the upcast happens matters. :class:`EmulatedGemmMode` is a ``TorchDispatchMode``, so it sees aten ops
+*below* autograd and below autocast: autograd records the 16-bit op on the 16-bit operands and saves them (the
+saved activations stay 16-bit; upcasting before the op, ``F.linear(x.float(), ...)``, would make autograd save
+FP32 copies and give back the memory 16 bits exist to save), autocast has already cast the operands down and
+does not cast the FP32 call back down, and the backward's GEMMs (``mm``, ``bmm``, ``convolution_backward``, the
+attention backward) pass through the same mode when it is active around ``backward()``. Inputs, outputs and
+gradients all keep the 16-bit dtype; only the temporaries inside one op are FP32 (2 bytes read, 4 written per
+operand element: the cost, with Python dispatch of every aten op, that keeps emulation above 1.0x FP32).
+
+Whether to emulate is decided per (device type, dtype): bf16 and fp16 differ on the same CPU.
+
+=============================  ==========================================================================
+device                         verdict
+=============================  ==========================================================================
+``cuda``                       native (every GPU that runs the format has 16-bit GEMM units)
+``cpu``, oneDNN reports it     native: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` / ``_fp16_...``
+``cpu``, oneDNN does not       a one-time probe (a few ms): one 128x128x128 GEMM timed in 16 bits and in
+                               FP32; emulated when the 16-bit one takes more than 2x the FP32 time
+other devices                  native (not probed)
+=============================  ==========================================================================
+
+The probe covers CPUs the oneDNN check misjudges (ARM cores with fast fp16 NEON kernels in torch's own BLAS).
+Not covered: in-place and ``out=`` variants (``addmm_``, ``torch.mm(..., out=)``) run natively; fused kernels
+called from inside other handlers are not seen; the mode is for eager execution, not ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+GEMM_CHOICES = ("auto", "native", "emulated")
+
+# a 16-bit GEMM slower than this many FP32 GEMMs is "not native"; emulation costs about 1.1-1.3x FP32 on the
+# probe's shape (the casts), so below 2x the native kernel is kept: it is the one the user asked for
+_SLOW_FACTOR = 2.0
+_PROBE_SIZE = 128
+_PROBE_REPEATS = 5
+
+aten = torch.ops.aten
+
+# Every aten GEMM a transformer or a convnet runs on the CPU, forward and backward (checked with a logging
+# dispatch mode on Linear, matmul of 1-4 dims, einsum, Conv1d/2d/ConvTranspose2d, SDPA with and without mask
+# and dropout, nn.MultiheadAttention, TransformerEncoderLayer in train and eval, LSTM/GRU): linear, matmul and
+# einsum decompose into mm/addmm/bmm/mv/dot before they reach the dispatcher.
+EMULATED_OPS: frozenset = frozenset(
+    {
+        aten.mm.default,
+        aten.addmm.default,
+        aten._addmm_activation.default,
+        aten.bmm.default,
+        aten.baddbmm.default,
+        aten.addbmm.default,
+        aten.mv.default,
+        aten.addmv.default,
+        aten.dot.default,
+        aten.vdot.default,
+        aten.convolution.default,
+        aten.convolution_backward.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        # fused inference kernels (nn.MultiheadAttention / TransformerEncoderLayer fast path in eval): their
+        # inner GEMMs run inside the kernel, out of the mode's sight, so the whole kernel runs in FP32
+        aten._native_multi_head_attention.default,
+        aten._transformer_encoder_layer_fwd.default,
+    }
+)
+
+# outputs that the native 16-bit kernel returns in FP32 already: they stay FP32 (the flash kernel's logsumexp)
+_FP32_OUTPUTS = {aten._scaled_dot_product_flash_attention_for_cpu.default: (1,)}
+
+
+def cpu_capability() -> str:
+    """torch's name for this CPU's vector unit (``AVX2``, ``AVX512``, ``DEFAULT`` on ARM...): quote it beside
+    every CPU timing, because 16-bit speed depends on it."""
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return "unknown"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype).replace("torch.", ""))
+
+
+@dataclass(frozen=True)
+class GemmSupport:
+    """Whether ``device_type`` computes ``dtype`` GEMMs natively, why we think so, and the probe's measurement."""
+
+    device_type: str
+    dtype: torch.dtype
+    native: bool
+    reason: str
+    slowdown: float | None = None  # 16-bit / FP32 time of the probe GEMM, where it was probed
+
+
+def _torch_reports_native(dtype: torch.dtype) -> bool:
+    """oneDNN's own check for native 16-bit arithmetic on this CPU (False where it cannot tell)."""
+    name = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+    try:
+        return name is not None and torch.backends.mkldnn.is_available() and bool(getattr(torch.ops.mkldnn, name)())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@torch.inference_mode()
+def _probe_slowdown(dtype: torch.dtype) -> float:
+    """Time of one 128^3 GEMM in ``dtype`` over the same GEMM in FP32 on the CPU; best of a few, interleaved so a
+    busy machine slows both alike. Costs about 1 ms where 16-bit is native, a few ms where it is not."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=gen)
+    b = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=gen)
+    a16, b16 = a.to(dtype), b.to(dtype)
+    torch.mm(a, b), torch.mm(a16, b16)  # first calls pay one-time kernel selection
+    best32 = best16 = math.inf
+    for _ in range(_PROBE_REPEATS):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        t1 = time.perf_counter()
+        torch.mm(a16, b16)
+        t2 = time.perf_counter()
+        best32, best16 = min(best32, t1 - t0), min(best16, t2 - t1)
+    return best16 / max(best32, 1e-9)
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_support(device_type: str, dtype: torch.dtype) -> GemmSupport:
+    """Detect once per process whether 16-bit GEMMs of ``dtype`` are native on ``device_type`` (see the table in
+    the module docstring). ``gemm_support.cache_clear()`` forgets the verdicts."""
+    name = _dtype_name(dtype)
+    if dtype not in (torch.bfloat16, torch.float16):
+        return GemmSupport(device_type, dtype, True, f"{name} is not a 16-bit format")
+    if device_type == "cuda":
+        return GemmSupport(device_type, dtype, True, f"CUDA GPUs compute {name} GEMMs natively")
+    if device_type != "cpu":
+        return GemmSupport(device_type, dtype, True, f"{device_type!r} is not probed; assumed native")
+    cpu = f"this CPU ({cpu_capability()})"
+    if _torch_reports_native(dtype):
+        return GemmSupport(device_type, dtype, True, f"oneDNN reports native {name} arithmetic on {cpu}")
+    slowdown = _probe_slowdown(dtype)
+    verdict = "native" if slowdown < _SLOW_FACTOR else "not native"
+    return GemmSupport(
+        device_type,
+        dtype,
+        slowdown < _SLOW_FACTOR,
+        f"a {name} GEMM took {slowdown:.1f}x the FP32 time on {cpu}: {verdict} (oneDNN reports no native {name})",
+        slowdown,
+    )
+
+
+def _emulate(func, dtype: torch.dtype, args: tuple, kwargs: dict):
+    """``func`` in FP32 on the ``dtype`` operands, its results rounded (nearest-even) back to ``dtype``."""
+
+    def up(x):
+        return x.to(torch.float32) if isinstance(x, Tensor) and x.dtype == dtype else x
+
+    out = func(*[up(a) for a in args], **{k: up(v) for k, v in kwargs.items()})
+    if isinstance(out, Tensor):
+        return out.to(dtype)
+    keep = _FP32_OUTPUTS.get(func, ())
+    return type(out)(
+        o.to(dtype) if isinstance(o, Tensor) and o.dtype == torch.float32 and i not in keep else o
+        for i, o in enumerate(out)
+    )
+
+
+class EmulatedGemmMode(TorchDispatchMode):
+    """While active, the ops of :data:`EMULATED_OPS` on ``dtype`` operands compute in FP32 and round their results
+    to ``dtype``; every other op runs as it is. Enter it around the forward *and* the backward.
+
+    Every aten op under the mode makes one Python call (a set lookup and the re-call): a fixed few microseconds
+    per op, whatever the tensor sizes.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype={dtype!r} is not allowed: use torch.bfloat16 or torch.float16.")
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: A002 (torch's signature)
+        kwargs = kwargs or {}
+        if func in EMULATED_OPS and any(isinstance(a, Tensor) and a.dtype == self.dtype for a in args):
+            return _emulate(func, self.dtype, args, kwargs)
+        return func(*args, **kwargs)
+
+
+_warned: set[tuple[str, torch.dtype]] = set()
+
+
+def _warn_slow_once(support: GemmSupport) -> None:
+    key = (support.device_type, support.dtype)
+    if key in _warned:
+        return
+    _warned.add(key)
+    name = _dtype_name(support.dtype)
+    factor = f"{support.slowdown:.0f}x" if support.slowdown is not None else "several times"
+    warnings.warn(
+        f"gemm='native': {name} GEMMs are not native on {support.device_type} ({cpu_capability()}): a {name} GEMM "
+        f"takes {factor} the FP32 time here, so this run's matrix products are that much slower than in FP32. "
+        f"HINT: gemm='auto' (the default) computes them as FP32 GEMMs on the {name} values and rounds the results "
+        f"to {name}: about FP32 speed, {name} memory, results within 1 {name} ulp of the native kernel.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+class GemmEmulation:
+    """The ``gemm=`` knob and its verdict for one run: ``"auto"`` emulates where 16-bit GEMMs are not native,
+    ``"native"`` always uses torch's 16-bit kernels (warning once where they are slow), ``"emulated"`` always
+    computes them in FP32 (e.g. to compare both paths on a machine that has both)."""
+
+    def __init__(self, gemm: str = "auto") -> None:
+        if not isinstance(gemm, str) or gemm not in GEMM_CHOICES:
+            allowed = ", ".join(repr(c) for c in GEMM_CHOICES)
+            raise ValueError(
+                f"gemm={gemm!r} is not allowed. Allowed: {allowed} ('auto' emulates 16-bit GEMMs in FP32 only where "
+                "the device has no native 16-bit arithmetic)."
+            )
+        self.gemm = gemm
+        self.dtype: torch.dtype | None = None
+        self.support: GemmSupport | None = None
+        self.emulated = False
+
+    def setup(self, device_type: str, dtype: torch.dtype) -> str:
+        """Decide for this run (detection is cached per process), warn once if 16-bit is slow and emulation is
+        off, and return the one line to log."""
+        self.dtype = dtype
+        if dtype not in (torch.bfloat16, torch.float16):
+            self.support, self.emulated = None, False
+            return self.describe()
+        self.support = gemm_support(device_type, dtype)
+        self.emulated = self.gemm == "emulated" or (self.gemm == "auto" and not self.support.native)
+        if not self.support.native and not self.emulated:
+            _warn_slow_once(self.support)
+        return self.describe()
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """The mode where emulation is in force, else a no-op (native runs pay nothing)."""
+        return EmulatedGemmMode(self.dtype) if self.emulated else contextlib.nullcontext()
+
+    def describe(self) -> str:
+        """One line: which GEMMs are in force and why."""
+        if self.dtype is None:
+            return f"16-bit GEMMs: gemm={self.gemm!r}, decided at setup"
+        if self.support is None:
+            return f"16-bit GEMMs: not used ({_dtype_name(self.dtype)} run)"
+        name, why = _dtype_name(self.dtype), self.support.reason
+        if self.emulated:
+            how = f"emulated (FP32 GEMMs on {name} operands, results rounded to {name})"
+        else:
+            how = f"native {name} kernels"
+        return f"16-bit GEMMs: {how}; gemm={self.gemm!r}; {why}"
+
+    def __repr__(self) -> str:
+        return f"GemmEmulation(gemm={self.gemm!r})"
+
+
+__all__ = ["EMULATED_OPS", "GEMM_CHOICES", "EmulatedGemmMode", "GemmEmulation", "GemmSupport", "cpu_capability",
+           "gemm_support"]

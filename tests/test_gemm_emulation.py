@@ -1,0 +1,352 @@
+"""Emulated 16-bit GEMMs: detection, op coverage (dtype, gradients, 1-ulp match), the gemm= knob, the warning."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lightning_mp.gemm_emulation as ge
+from lightning_mp.gemm_emulation import EmulatedGemmMode, GemmEmulation, gemm_support
+from tests.conftest import cuda
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+@pytest.fixture(autouse=True)
+def fresh_detection(monkeypatch):
+    gemm_support.cache_clear()
+    monkeypatch.setattr(ge, "_warned", set())
+    yield
+    gemm_support.cache_clear()
+
+
+def mock_cpu(monkeypatch, onednn: bool, slowdown: float = 20.0):
+    calls = []
+
+    def probe(dtype):
+        calls.append(dtype)
+        return slowdown
+
+    monkeypatch.setattr(ge, "_torch_reports_native", lambda dtype: onednn)
+    monkeypatch.setattr(ge, "_probe_slowdown", probe)
+    return calls
+
+
+class Recorder(TorchDispatchMode):
+    """Pushed *below* EmulatedGemmMode: sees the calls the emulation makes, with the dtypes the kernels get."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, set[torch.dtype]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dtypes = {a.dtype for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor) and a.is_floating_point()}
+        self.calls.append((func.overloadpacket.__name__, dtypes))
+        return func(*args, **kwargs)
+
+    def gemms(self):
+        names = {op.overloadpacket.__name__ for op in ge.EMULATED_OPS}
+        return [(name, dtypes) for name, dtypes in self.calls if name in names]
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest number of representable 16-bit values between matching elements (0 = bit-identical)."""
+
+    def ordered(t):
+        bits = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return int((ordered(a) - ordered(b)).abs().max())
+
+
+# ------------------------------------------------------------------------------------------------ detection
+@pytest.mark.parametrize("dtype", HALF)
+def test_cuda_is_native_without_probing(monkeypatch, dtype):
+    calls = mock_cpu(monkeypatch, onednn=False)
+    s = gemm_support("cuda", dtype)
+    assert s.native and "CUDA" in s.reason and calls == []
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_cpu_native_when_onednn_reports_it_without_probing(monkeypatch, dtype):
+    calls = mock_cpu(monkeypatch, onednn=True)
+    s = gemm_support("cpu", dtype)
+    assert s.native and "oneDNN reports native" in s.reason and calls == []
+    assert ge.cpu_capability() in s.reason
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_cpu_not_native_when_the_probe_is_slow(monkeypatch, dtype):
+    calls = mock_cpu(monkeypatch, onednn=False, slowdown=17.6)
+    s = gemm_support("cpu", dtype)
+    assert not s.native and s.slowdown == 17.6 and "17.6x the FP32 time" in s.reason
+    gemm_support("cpu", dtype)
+    assert calls == [dtype]  # probed once per process, not once per run
+
+
+def test_cpu_native_when_the_probe_is_fast_even_if_onednn_says_no(monkeypatch):
+    mock_cpu(monkeypatch, onednn=False, slowdown=1.1)  # e.g. ARM fp16 through torch's own NEON kernels
+    assert gemm_support("cpu", torch.float16).native
+
+
+def test_fp32_and_unprobed_devices_are_native(monkeypatch):
+    calls = mock_cpu(monkeypatch, onednn=False)
+    assert gemm_support("cpu", torch.float32).native
+    assert gemm_support("mps", torch.float16).native
+    assert calls == []
+
+
+def test_real_detection_on_this_machine_is_quick_and_agrees_with_onednn():
+    t0 = time.perf_counter()
+    verdicts = {dtype: gemm_support("cpu", dtype) for dtype in HALF}
+    assert time.perf_counter() - t0 < 1.0  # a few ms each; 1 s leaves room for a loaded 2-core machine
+    if ge._torch_reports_native(torch.bfloat16):
+        assert verdicts[torch.bfloat16].native
+    for s in verdicts.values():
+        assert s.native or s.slowdown >= ge._SLOW_FACTOR
+
+
+# ------------------------------------------------------------------------------------------------ op coverage
+def _t(*shape, dtype, seed, grad=True):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return x.requires_grad_(grad)
+
+
+def op_cases(dtype, exact=False):
+    """name -> (inputs, fn); every case is something a transformer or a convnet runs. ``exact=True``: the same
+    16-bit values (inputs and module weights) in float64, for the exact result."""
+    t = lambda *shape, seed, grad=True: _t(*shape, dtype=dtype, seed=seed, grad=grad)  # noqa: E731
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 24).to(dtype).to(torch.float64 if exact else dtype)
+    return {
+        "mm": ((t(5, 16, seed=1), t(16, 7, seed=2)), torch.mm),
+        "addmm": ((t(7, seed=3), t(5, 16, seed=1), t(16, 7, seed=2)), torch.addmm),
+        "bmm": ((t(3, 5, 16, seed=1), t(3, 16, 7, seed=2)), torch.bmm),
+        "baddbmm": ((t(3, 5, 7, seed=3), t(3, 5, 16, seed=1), t(3, 16, 7, seed=2)), torch.baddbmm),
+        "addbmm": ((t(5, 7, seed=3), t(3, 5, 16, seed=1), t(3, 16, 7, seed=2)), torch.addbmm),
+        "mv": ((t(5, 16, seed=1), t(16, seed=2)), torch.mv),
+        "addmv": ((t(5, seed=3), t(5, 16, seed=1), t(16, seed=2)), torch.addmv),
+        "dot": ((t(16, seed=1), t(16, seed=2)), torch.dot),
+        "linear 3-D": ((t(2, 5, 16, seed=1),), lin),
+        "matmul 4-D": ((t(2, 3, 5, 16, seed=1), t(2, 3, 16, 7, seed=2)), torch.matmul),
+        "einsum": ((t(2, 5, 16, seed=1), t(2, 7, 16, seed=2)), lambda a, b: torch.einsum("bik,bjk->bij", a, b)),
+        "conv1d": ((t(2, 3, 12, seed=1), t(4, 3, 3, seed=2), t(4, seed=3)), F.conv1d),
+        "conv2d": ((t(2, 3, 8, 8, seed=1), t(4, 3, 3, 3, seed=2), t(4, seed=3)), lambda x, w, b: F.conv2d(x, w, b, padding=1)),
+        "conv_transpose2d": ((t(2, 3, 6, 6, seed=1), t(3, 4, 3, 3, seed=2)), F.conv_transpose2d),
+    }
+
+
+def composite_cases(dtype):
+    """Modules that chain several rounded ops: compared with the native path at the output's scale."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).to(dtype)
+    x = _t(2, 6, 16, dtype=dtype, seed=1)
+    return {
+        "multihead attention": ((x,), lambda x: mha(x, x, x)[0]),
+        "multihead attention, no weights": ((x,), lambda x: mha(x, x, x, need_weights=False)[0]),
+        "linear-gelu-linear": ((x,), nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)).to(dtype)),
+    }
+
+
+ATTENTION = {
+    # the fused CPU flash kernel; its native 16-bit version rounds the probabilities to 16 bits before P @ V
+    "sdpa causal": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    "sdpa float mask": lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=torch.arange(64.0, dtype=q.dtype).view(8, 8) / 16 - 2  # exact in every format
+    ),
+}
+CASE_NAMES = list(op_cases(torch.float32))
+# native 16-bit kernels that round partial results to 16 bits inside (addbmm sums per-batch 16-bit products; the
+# flash kernel rounds its probabilities; fp16 transposed convolution accumulates in fp16 on the CPU): emulation is
+# closer to the exact result than they are, so these are compared with the exact result only
+NATIVE_ROUNDS_INSIDE = {"addbmm", "conv_transpose2d"}
+
+
+def _run(fn, inputs, emulate: bool, dtype):
+    """Forward and backward, with the mode around both as the plugin does; returns (out, grads, gemm calls seen)."""
+    inputs = [x.detach().requires_grad_() for x in inputs]
+    recorder = Recorder()
+    with recorder, (EmulatedGemmMode(dtype) if emulate else contextlib.nullcontext()):
+        out = fn(*inputs)
+        out.float().pow(2).sum().backward()
+    return out, [x.grad for x in inputs], recorder.gemms()
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_every_gemm_runs_in_fp32_returns_16_bit_and_matches_the_native_kernel(dtype, name):
+    inputs, fn = op_cases(dtype)[name]
+    _, exact_fn = op_cases(dtype, exact=True)[name]
+    out, grads, kernels = _run(fn, inputs, emulate=True, dtype=dtype)
+    assert out.dtype == dtype
+    assert kernels, "no GEMM reached the kernels"
+    assert all(dtypes <= {torch.float32} for _, dtypes in kernels), f"a 16-bit GEMM kernel ran: {kernels}"
+    assert all(g is not None and g.dtype == dtype and torch.isfinite(g).all() for g in grads)
+
+    exact = exact_fn(*[x.detach().double() for x in inputs]).to(dtype)
+    assert ulp_distance(out, exact) <= 1  # FP32 inside, one rounding at the end
+
+    native_out, native_grads, native_kernels = _run(fn, inputs, emulate=False, dtype=dtype)
+    assert any(dtypes == {dtype} for _, dtypes in native_kernels)
+    if name not in NATIVE_ROUNDS_INSIDE:
+        assert ulp_distance(out, native_out) <= 1
+    for g, ng in zip(grads, native_grads):
+        # gradients chain two or three rounded ops: each may differ by an ulp, relative to their scale
+        assert (g.double() - ng.double()).abs().max() <= 4 * torch.finfo(dtype).eps * ng.double().abs().max()
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("name", list(composite_cases(torch.float32)))
+def test_modules_of_several_gemms_match_the_native_path_at_their_scale(dtype, name):
+    inputs, fn = composite_cases(dtype)[name]
+    out, grads, kernels = _run(fn, inputs, emulate=True, dtype=dtype)
+    native_out, native_grads, _ = _run(fn, inputs, emulate=False, dtype=dtype)
+    assert out.dtype == dtype and kernels and all(d <= {torch.float32} for _, d in kernels)
+    for a, b in [(out, native_out), *zip(grads, native_grads)]:
+        assert a.dtype == dtype
+        assert (a.double() - b.double()).abs().max() <= 4 * torch.finfo(dtype).eps * b.double().abs().max()
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("name", list(ATTENTION))
+def test_attention_runs_in_fp32_and_is_correctly_rounded(dtype, name):
+    inputs = [_t(2, 4, 8, 16, dtype=dtype, seed=s) for s in (1, 2, 3)]
+    out, grads, kernels = _run(ATTENTION[name], inputs, emulate=True, dtype=dtype)
+    native_out, _, _ = _run(ATTENTION[name], inputs, emulate=False, dtype=dtype)
+    assert out.dtype == dtype and all(g.dtype == dtype and torch.isfinite(g).all() for g in grads)
+    assert any("flash_attention" in n for n, _ in kernels) and all(d <= {torch.float32} for _, d in kernels)
+    exact = ATTENTION[name](*[x.detach().double() for x in inputs]).to(dtype)
+    assert ulp_distance(out, exact) <= 1  # FP32 inside, one rounding at the end
+    # the native kernel is itself off by up to an ulp at the output's scale; emulation is no further than that
+    scale = torch.finfo(dtype).eps * exact.double().abs().max()
+    assert (out.double() - native_out.double()).abs().max() <= scale
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_fused_inference_kernels_are_emulated(dtype):
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True).to(dtype).eval()
+    x = _t(2, 6, 16, dtype=dtype, seed=1, grad=False)
+    recorder = Recorder()
+    with torch.no_grad(), recorder, EmulatedGemmMode(dtype):
+        out = layer(x)
+    with torch.no_grad():
+        native = layer(x)
+    assert out.dtype == dtype
+    assert ("_transformer_encoder_layer_fwd", {torch.float32}) in recorder.calls
+    assert (out.double() - native.double()).abs().max() <= 4 * torch.finfo(dtype).eps * native.double().abs().max()
+
+
+def test_saved_activations_stay_16_bit():
+    """Autograd saves what the op it records gets: the 16-bit tensors, as without emulation."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 10)).to(torch.float16)
+    x = torch.randn(4, 3, 8, 8).to(torch.float16)
+
+    def saved(emulate):
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            with EmulatedGemmMode(torch.float16) if emulate else contextlib.nullcontext():
+                model(x).sum()
+        return sorted((str(t.dtype), t.numel()) for t in packed if t.is_floating_point())
+
+    assert saved(emulate=True) == saved(emulate=False)
+    assert all(dtype == "torch.float16" for dtype, _ in saved(emulate=True))
+
+
+def test_autocast_does_not_cast_the_fp32_gemm_back_down():
+    lin, x = nn.Linear(32, 16), torch.randn(8, 32)
+    recorder = Recorder()
+    with torch.autocast("cpu", dtype=torch.float16), recorder, EmulatedGemmMode(torch.float16):
+        out = lin(x)
+    with torch.autocast("cpu", dtype=torch.float16):
+        native = lin(x)
+    assert out.dtype == torch.float16
+    assert recorder.gemms() == [("addmm", {torch.float32})]
+    assert ulp_distance(out, native) <= 1
+
+
+def test_other_dtypes_pass_through_untouched():
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    h = a.to(torch.float16)
+    with EmulatedGemmMode(torch.bfloat16):
+        fp32, fp16 = a @ b, h @ h
+    assert fp32.dtype == torch.float32 and torch.equal(fp32, a @ b)
+    assert fp16.dtype == torch.float16 and torch.equal(fp16, h @ h)
+
+
+def test_the_mode_refuses_a_non_16_bit_dtype():
+    with pytest.raises(ValueError, match=r"dtype=torch\.float32 is not allowed.*bfloat16.*float16"):
+        EmulatedGemmMode(torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------ the knob
+@pytest.mark.parametrize("bad", ["AUTO", "fast", "", None, True, 1])
+def test_bad_gemm_values_name_the_argument_value_and_choices(bad):
+    with pytest.raises(ValueError) as err:
+        GemmEmulation(bad)
+    msg = str(err.value)
+    assert f"gemm={bad!r}" in msg and all(repr(c) in msg for c in ge.GEMM_CHOICES)
+
+
+@pytest.mark.parametrize(
+    "gemm, native, emulated",
+    [("auto", False, True), ("auto", True, False), ("native", False, False), ("native", True, False),
+     ("emulated", True, True), ("emulated", False, True)],
+)
+def test_the_knob_decides(monkeypatch, gemm, native, emulated):
+    mock_cpu(monkeypatch, onednn=native)
+    g = GemmEmulation(gemm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        line = g.setup("cpu", torch.float16)
+    assert g.emulated is emulated
+    assert isinstance(g.context(), EmulatedGemmMode if emulated else contextlib.nullcontext)
+    assert line == g.describe() and f"gemm={gemm!r}" in line
+    assert ("emulated (FP32 GEMMs on fp16 operands" in line) is emulated
+    assert (g.support.reason in line) and (("native fp16 kernels" in line) is not emulated)
+
+
+def test_fp32_runs_use_no_emulation(monkeypatch):
+    calls = mock_cpu(monkeypatch, onednn=False)
+    g = GemmEmulation("emulated")
+    assert "not used" in g.setup("cpu", torch.float32) and not g.emulated and calls == []
+    assert isinstance(g.context(), contextlib.nullcontext)
+
+
+def test_describe_before_setup_and_repr():
+    g = GemmEmulation()
+    assert "decided at setup" in g.describe() and repr(g) == "GemmEmulation(gemm='auto')"
+
+
+# ------------------------------------------------------------------------------------------------ the warning
+def test_slow_native_warns_once_with_the_factor_and_a_hint(monkeypatch):
+    mock_cpu(monkeypatch, onednn=False, slowdown=17.6)
+    with pytest.warns(UserWarning, match=r"gemm='native'.*18x the FP32 time.*HINT: gemm='auto'") as record:
+        GemmEmulation("native").setup("cpu", torch.bfloat16)
+    assert len(record) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GemmEmulation("native").setup("cpu", torch.bfloat16)  # the second run in the process stays quiet
+
+
+@pytest.mark.parametrize("gemm, onednn", [("auto", False), ("emulated", False), ("native", True), ("auto", True)])
+def test_no_warning_when_emulated_or_fast(monkeypatch, gemm, onednn):
+    mock_cpu(monkeypatch, onednn=onednn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GemmEmulation(gemm).setup("cpu", torch.float16)
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_runs_native_kernels_under_auto():
+    g = GemmEmulation("auto")
+    g.setup("cuda", torch.bfloat16)
+    assert not g.emulated and isinstance(g.context(), contextlib.nullcontext)
