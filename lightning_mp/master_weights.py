@@ -89,7 +89,7 @@ class MasterWeights:
             if not p.is_floating_point():
                 continue
             if p.dtype in HALF_DTYPES:
-                pre_cast.append(p)
+                pre_cast.append(p.dtype)
                 p.data = p.data.float()
             elif p.dtype != torch.float32:
                 continue  # float64 parameters are the user's explicit choice
@@ -97,7 +97,7 @@ class MasterWeights:
             self._known.add(p)
         if pre_cast:
             warnings.warn(
-                f"{len(pre_cast)} parameters were already in {pre_cast[0].dtype} before fit: their FP32 masters "
+                f"{len(pre_cast)} parameters were already in {pre_cast[0]} before fit: their FP32 masters "
                 "start from the 16-bit values, so the bits lost in that cast stay lost. HINT: build or load the "
                 "model in FP32 and let MixedPrecisionPlugin make the 16-bit copies; the model is FP32 after fit.",
                 stacklevel=2,

@@ -29,7 +29,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
@@ -37,6 +37,7 @@ from typing_extensions import override
 from lightning_mp.distributed import average_across_ranks_, world_size
 from lightning_mp.formats import Format, resolve_precision
 from lightning_mp.fp32_policy import DEFAULT_FP32_MODULES, DEFAULT_FP32_OPS, Fp32Policy
+from lightning_mp.gemm_emulation import GemmEmulation
 from lightning_mp.loss_scaler import LossScaler
 from lightning_mp.master_weights import MasterWeights
 from lightning_mp.overflow_locator import OverflowLocator, OverflowReport
@@ -75,6 +76,12 @@ class MixedPrecisionPlugin(Precision):
             gradient in the backward) went non-finite (:class:`lightning_mp.overflow_locator.OverflowLocator`):
             in a log line, in :attr:`last_overflow`, and in the ``FloatingPointError`` that stops a run. Checks stay
             on the device and are read only on a skipped step; ``False`` removes the hooks and their cost.
+        gemm: how 16-bit matrix products (linear, matmul, bmm, convolutions, attention) run, forward and backward:
+            ``"auto"`` (default) computes them as FP32 GEMMs on the 16-bit values, with 16-bit results, only where
+            the device has no native 16-bit arithmetic (detected per format: many CPUs do bf16 but not fp16, CUDA
+            always native), which runs at about FP32 speed instead of 5-100x slower; ``"native"`` always uses
+            torch's 16-bit kernels (warning once where they are slow); ``"emulated"`` always emulates. Weights,
+            activations and gradients stay 16-bit either way (:mod:`lightning_mp.gemm_emulation`).
         **scaler_knobs: the dynamic scaler's knobs, declared once in :class:`lightning_mp.loss_scaler.LossScaler`:
             ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``hysteresis``,
             ``min_scale``, ``max_scale``, ``max_consecutive_skips``.
@@ -97,6 +104,7 @@ class MixedPrecisionPlugin(Precision):
         skip_scheduler_on_overflow: bool = True,
         check_finite: bool = True,
         locate_overflows: bool = True,
+        gemm: str = "auto",
         **scaler_knobs: Any,
     ) -> None:
         super().__init__()
@@ -118,8 +126,8 @@ class MixedPrecisionPlugin(Precision):
         if unknown:
             raise ValueError(
                 f"{unknown[0]}={scaler_knobs[unknown[0]]!r}: no such argument. Allowed: precision, master_weights, "
-                f"loss_scale, fp32_ops, fp32_modules, skip_scheduler_on_overflow, check_finite, and the scaler's "
-                f"{', '.join(LossScaler.KNOBS)}."
+                f"loss_scale, fp32_ops, fp32_modules, skip_scheduler_on_overflow, check_finite, locate_overflows, "
+                f"gemm, and the scaler's {', '.join(LossScaler.KNOBS)}."
             )
         self.scaler = LossScaler(loss_scale, **scaler_knobs)
         self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
@@ -128,6 +136,7 @@ class MixedPrecisionPlugin(Precision):
         self._locator: OverflowLocator | None = None
         self._last_overflow: OverflowReport | None = None
         self.policy = Fp32Policy(fp32_ops, fp32_modules)
+        self.gemm = GemmEmulation(gemm)
         self._masters: MasterWeights | None = None
         self._step = MixedPrecisionStep(self.scaler, check_finite=check_finite, fp32_grads=self.master_weights)
         self._device_type = "cpu"
@@ -214,6 +223,8 @@ class MixedPrecisionPlugin(Precision):
             )
         guard = "on (one host sync per step)" if self.check_finite or s.enabled else "off (no sync, no extra pass)"
         lines.append(f"non-finite guard: {guard}; stop after {s.max_consecutive_skips} skipped steps in a row")
+        if self.format.is_16bit:
+            lines.append(self.gemm.describe())
         return "\n".join(lines) + "\n\n" + self.policy.describe()
 
     # ------------------------------------------------------------------ set-up
@@ -233,6 +244,8 @@ class MixedPrecisionPlugin(Precision):
         first = next(model.parameters(), None)
         self._device_type = first.device.type if first is not None else "cpu"
         _check_device_supports(self.format, self._device_type)
+        if self.format.is_16bit:
+            rank_zero_info(self.gemm.setup(self._device_type, self.format.dtype))
         if self.scaler.dynamic and any(isinstance(opt, LBFGS) for opt in optimizers):
             raise ValueError(
                 "LBFGS re-evaluates its closure inside step(), so a step with an overflow cannot be skipped: "
@@ -274,6 +287,7 @@ class MixedPrecisionPlugin(Precision):
         # matmuls, and for the 16-bit copies autocast's weight casts are no-ops
         stack.enter_context(torch.autocast(self._device_type, dtype=self.format.dtype))
         stack.enter_context(self.policy.op_context())
+        stack.enter_context(self.gemm.context())
         return stack
 
     def _swap_in(self) -> None:
@@ -323,6 +337,15 @@ class MixedPrecisionPlugin(Precision):
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         return super().pre_backward(self.scaler.scale_loss(tensor), module)
+
+    @override
+    def backward(  # type: ignore[override]
+        self, tensor: Tensor, model: LightningModule, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        # the backward's GEMMs (grad @ W, x^T @ grad, the attention backward) run under the same emulation as the
+        # forward's; a bare loss.backward() outside Lightning's backward runs them natively (correct, maybe slow)
+        with self.gemm.context():
+            super().backward(tensor, model, optimizer, *args, **kwargs)
 
     @override
     def post_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
@@ -380,6 +403,7 @@ class MixedPrecisionPlugin(Precision):
         """Unscale first, on every path (automatic, manual ``self.clip_gradients``, several optimizers)."""
         if clip_val <= 0:
             return
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer: the step keys the raw one
         self._swap_out()
         if self._step.unscale_(optimizer) or self._step.skipping:
             return  # the step is skipped: clipping inf/NaN gradients would only compute NaN norms
