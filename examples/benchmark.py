@@ -29,6 +29,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_mp import GradientRangeMonitor, LossScaleMonitor, MixedPrecisionPlugin
 from lightning_mp.demos import GPT, StdlibTextDataModule
 from lightning_mp.fp32_policy import NORM_MODULES, RECURRENT_MODULES
+from lightning_mp.gemm_emulation import cpu_capability, gemm_support
 
 
 class StepTimer(Callback):
@@ -93,6 +94,12 @@ def variants(device: str) -> list[Variant]:
         Variant("lightning_mp bf16", lambda: MixedPrecisionPlugin("bf16")),
         Variant("native 16-mixed", lambda: MixedPrecision("16-mixed", device)),
         Variant("lightning_mp fp16", lambda: MixedPrecisionPlugin("fp16")),
+        # both GEMM paths of each format, whatever gemm="auto" picks on this machine (printed in the header)
+        Variant("lightning_mp fp16, native GEMMs", lambda: MixedPrecisionPlugin("fp16", gemm="native")),
+        Variant("lightning_mp fp16, emulated GEMMs", lambda: MixedPrecisionPlugin("fp16", gemm="emulated")),
+        Variant("lightning_mp bf16, native GEMMs", lambda: MixedPrecisionPlugin("bf16", gemm="native")),
+        Variant("lightning_mp bf16, emulated GEMMs", lambda: MixedPrecisionPlugin("bf16", gemm="emulated")),
+        Variant("lightning_mp bf16, check_finite=False", lambda: MixedPrecisionPlugin("bf16", check_finite=False)),
         Variant("lightning_mp bf16, empty FP32 policy", lambda: MixedPrecisionPlugin("bf16", fp32_ops=(), fp32_modules=())),
         Variant(
             "lightning_mp bf16, 16-bit embeddings",
@@ -112,6 +119,13 @@ def variants(device: str) -> list[Variant]:
 COMPARISONS = [
     ("ours / native, bf16 (target <= 1.00)", "lightning_mp bf16", "native bf16-mixed"),
     ("ours / native, fp16 (target <= 1.00)", "lightning_mp fp16", "native 16-mixed"),
+    ("lightning_mp fp16 / plain fp32 (target <= 1.30 where fp16 is not native)", "lightning_mp fp16",
+     "plain fp32 (no plugin)"),
+    ("lightning_mp bf16 / plain fp32 (target <= 1.30 where bf16 is not native)", "lightning_mp bf16",
+     "plain fp32 (no plugin)"),
+    ("emulated / native GEMMs, fp16", "lightning_mp fp16, emulated GEMMs", "lightning_mp fp16, native GEMMs"),
+    ("emulated / native GEMMs, bf16", "lightning_mp bf16, emulated GEMMs", "lightning_mp bf16, native GEMMs"),
+    ("guard on (default) / check_finite=False, bf16", "lightning_mp bf16", "lightning_mp bf16, check_finite=False"),
     ("default FP32 policy / empty policy, bf16 (target <= 1.03)", "lightning_mp bf16",
      "lightning_mp bf16, empty FP32 policy"),
     ("FP32 embeddings (default) / 16-bit embeddings, bf16", "lightning_mp bf16", "lightning_mp bf16, 16-bit embeddings"),
@@ -174,6 +188,11 @@ def main(argv=None) -> list[Variant]:
     datamodule = StdlibTextDataModule(block_size=args.block_size, batch_size=args.batch_size, max_bytes=2**21)
     print(f"device: {device} ({torch.cuda.get_device_name() if device == 'cuda' else f'{torch.get_num_threads()} threads'})"
           f", torch {torch.__version__}, lightning {L.__version__}")
+    # 16-bit speed on a CPU depends on its vector unit: every table says which one it was measured on
+    print(f"CPU capability: {cpu_capability()}; gemm='auto' on {device}: "
+          + "; ".join(f"{n}: {'native' if s.native else 'emulated'} ({s.reason})"
+                      for n, s in (("bf16", gemm_support(device, torch.bfloat16)),
+                                   ("fp16", gemm_support(device, torch.float16)))))
     print(f"GPT {args.n_layer}x{args.n_embd}, batch {args.batch_size}x{args.block_size}; "
           f"{args.rounds} rounds x {args.steps} steps, {args.warmup} warm-up steps dropped per round\n")
     for r in range(args.rounds):
@@ -184,6 +203,7 @@ def main(argv=None) -> list[Variant]:
     median = {v.name: statistics.median(v.timer_times) for v in chosen}
     fp32 = median.get("plain fp32 (no plugin)")
     print()
+    print(f"CPU capability {cpu_capability()}, {device}\n")
     print(f"| {'variant':44s} | median step (ms) | speed-up vs fp32 | model-state bytes/param |")
     print(f"|{'-' * 46}|-----------------:|-----------------:|------------------------:|")
     for v in chosen:
