@@ -267,7 +267,9 @@ class GemmEmulation:
             how = f"emulated (FP32 GEMMs on {name} operands, results rounded to {name})"
         else:
             how = f"native {name} kernels"
-        return f"16-bit GEMMs: {how}; gemm={self.gemm!r}; {why}"
+        if self.gemm != "auto" and self.emulated == self.support.native:
+            return f"16-bit GEMMs: {how}, forced by gemm={self.gemm!r} ({why})"
+        return f"16-bit GEMMs: {how}; gemm={self.gemm!r}: {why}"
 
     def __repr__(self) -> str:
         return f"GemmEmulation(gemm={self.gemm!r})"

@@ -1,0 +1,177 @@
+"""Trainer-level runs with emulated 16-bit GEMMs: 16-bit activations and gradients, FP32 kernels in forward and
+backward, the run trains, the setup line, the warning, and emulated against native numerics."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_mp.gemm_emulation as ge
+from lightning_mp import MixedPrecisionPlugin
+from tests.conftest import cuda, trainer_kwargs
+
+
+@pytest.fixture(autouse=True)
+def fresh_detection(monkeypatch):
+    ge.gemm_support.cache_clear()
+    monkeypatch.setattr(ge, "_warned", set())
+    yield
+    ge.gemm_support.cache_clear()
+
+
+@pytest.fixture
+def emulated_calls(monkeypatch):
+    """Names of the aten ops the emulation computed in FP32, in order."""
+    calls: list[str] = []
+    real = ge._emulate
+
+    def spy(func, dtype, args, kwargs):
+        calls.append(func.overloadpacket.__name__)
+        return real(func, dtype, args, kwargs)
+
+    monkeypatch.setattr(ge, "_emulate", spy)
+    return calls
+
+
+@pytest.fixture
+def info_lines():
+    """Lightning's own console lines (its logger does not propagate to pytest's caplog)."""
+    records: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+class ConvAttention(L.LightningModule):
+    """Conv1d -> self-attention (fused SDPA) -> Linear: a convnet's and a transformer's GEMMs in one small model.
+    Records the dtypes of its activations in the forward and of their gradients in the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(4, 16, 3, padding=1)
+        self.qkv = nn.Linear(16, 48)
+        self.head = nn.Linear(16, 1)
+        self.activation_dtypes: set[torch.dtype] = set()
+        self.gradient_dtypes: set[torch.dtype] = set()
+        self.losses: list[float] = []
+
+    def _watch(self, t):
+        self.activation_dtypes.add(t.dtype)
+        if t.requires_grad:
+            t.register_hook(lambda g: self.gradient_dtypes.add(g.dtype))
+        return t
+
+    def forward(self, x):  # x: (B, 4, T)
+        h = self._watch(self.conv(x)).transpose(1, 2)  # (B, T, 16)
+        B, T, _ = h.shape
+        q, k, v = (t.view(B, T, 2, 8).transpose(1, 2) for t in self._watch(self.qkv(h)).chunk(3, dim=-1))
+        a = self._watch(F.scaled_dot_product_attention(q, k, v, is_causal=True))  # 4-D: the fused kernel
+        return self._watch(self.head(a.transpose(1, 2).reshape(B, T, 16))).mean(dim=1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x).float(), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def data(n=64, batch_size=16):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, 12, generator=g)
+    y = x[:, :2].mean(dim=(1, 2)).unsqueeze(1) * 2.0
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+def fit(plugin, epochs=6):
+    L.seed_everything(0, verbose=False)
+    model = ConvAttention()
+    trainer = L.Trainer(**trainer_kwargs(max_epochs=epochs, plugins=[plugin]))
+    trainer.fit(model, data())
+    return model
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_emulated_run_keeps_16_bit_activations_and_gradients_and_trains(emulated_calls, precision, dtype):
+    model = fit(MixedPrecisionPlugin(precision, gemm="emulated"))
+    assert model.activation_dtypes == {dtype} and model.gradient_dtypes == {dtype}
+    # every GEMM kind ran in FP32, in the forward and in the backward
+    for name in ("convolution", "addmm", "_scaled_dot_product_flash_attention_for_cpu",
+                 "convolution_backward", "mm", "_scaled_dot_product_flash_attention_for_cpu_backward"):
+        assert name in emulated_calls
+    first, last = sum(model.losses[:4]) / 4, sum(model.losses[-4:]) / 4
+    assert last < 0.7 * first
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # FP32 values after the run, as always
+
+
+def test_native_run_enters_no_emulation(emulated_calls):
+    fit(MixedPrecisionPlugin("bf16", gemm="native"), epochs=1)
+    assert emulated_calls == []
+
+
+def test_auto_emulates_where_the_format_is_slow_and_says_so_at_setup(monkeypatch, emulated_calls, info_lines):
+    monkeypatch.setattr(ge, "_torch_reports_native", lambda dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(ge, "_probe_slowdown", lambda dtype: 25.0)
+    fp16 = MixedPrecisionPlugin("fp16")
+    fit(fp16, epochs=1)
+    assert fp16.gemm.emulated and emulated_calls
+    assert [line for line in info_lines if line.startswith("16-bit GEMMs: emulated") and "25.0x" in line]
+    assert "16-bit GEMMs: emulated" in fp16.describe()
+
+    emulated_calls.clear()
+    bf16 = MixedPrecisionPlugin("bf16")
+    fit(bf16, epochs=1)
+    assert not bf16.gemm.emulated and emulated_calls == []
+    assert [line for line in info_lines if line.startswith("16-bit GEMMs: native bf16 kernels")]
+
+
+def test_slow_native_kernels_warn_once_at_setup(monkeypatch):
+    monkeypatch.setattr(ge, "_torch_reports_native", lambda dtype: False)
+    monkeypatch.setattr(ge, "_probe_slowdown", lambda dtype: 25.0)
+    with pytest.warns(UserWarning, match=r"25x the FP32 time.*HINT: gemm='auto'"):
+        fit(MixedPrecisionPlugin("bf16", gemm="native"), epochs=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|GPU available|LeafSpec).*")
+        fit(MixedPrecisionPlugin("bf16", gemm="native"), epochs=1)
+
+
+def test_bad_gemm_value_is_refused_at_construction():
+    with pytest.raises(ValueError, match=r"gemm='fast' is not allowed\. Allowed: 'auto', 'native', 'emulated'"):
+        MixedPrecisionPlugin("fp16", gemm="fast")
+
+
+def test_fp32_runs_ignore_the_knob(emulated_calls):
+    plugin = MixedPrecisionPlugin("fp32", gemm="emulated")
+    fit(plugin, epochs=1)
+    assert emulated_calls == [] and "16-bit GEMMs" not in plugin.describe()
+
+
+def test_emulated_and_native_bf16_train_to_the_same_loss():
+    """bf16 has a native kernel on this CPU (and a slow fallback elsewhere): both paths, same run, same numerics."""
+    native = fit(MixedPrecisionPlugin("bf16", gemm="native"))
+    emulated = fit(MixedPrecisionPlugin("bf16", gemm="emulated"))
+    assert emulated.losses[0] == pytest.approx(native.losses[0], rel=1e-2)
+    assert emulated.losses[-1] == pytest.approx(native.losses[-1], rel=0.05)
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_runs_native_under_auto(emulated_calls):
+    L.seed_everything(0, verbose=False)
+    plugin = MixedPrecisionPlugin("bf16")
+    trainer = L.Trainer(**trainer_kwargs(accelerator="cuda", max_steps=2, plugins=[plugin]))
+    trainer.fit(ConvAttention(), data())
+    assert not plugin.gemm.emulated and emulated_calls == []
