@@ -5,6 +5,10 @@ rows, Lightning's own 16-mixed and bf16-mixed.
     python examples/compare_precisions.py --max-steps 800 --output runs/long --runs fp32 fp16 bf16
     python examples/compare_precisions.py --max-steps 200 --output runs/big -- --model.n_layer 6 --data.batch_size 64
 
+By default Lightning's own rows whose format has no native 16-bit GEMMs on this machine are left out (with a
+line saying why): Lightning's plugin has no GEMM emulation, so such a row runs 5-100x slower than all the others
+(fp16 on most CPUs, bf16 on CPUs without AVX512-BF16/AMX). Name it in ``--runs`` to include it anyway.
+
 Every run is ``python examples/train_gpt.py`` in its own subprocess (same seed, same batches, a fresh memory peak),
 one after the other so they do not compete for the machine. Arguments after ``--`` go to every run unchanged.
 Under ``--output``:
@@ -74,13 +78,17 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]
     parser.add_argument(
         "--runs",
         nargs="+",
-        default=list(RUNS),
+        default=None,
         metavar="NAME",
-        help=f"which runs, in order; a name may repeat (default: {' '.join(RUNS)})",
+        help=f"which runs, in order; a name may repeat (default: {' '.join(RUNS)}, less Lightning's own rows in a "
+        "format this machine has no native 16-bit GEMMs for)",
     )
     parser.add_argument("--timeout", type=float, default=None, help="seconds after which one run is stopped")
     parser.add_argument("--show-output", action="store_true", help="stream each run's output (progress bar) here")
     args = parser.parse_args(argv)
+    args.left_out = []
+    if args.runs is None:
+        args.runs, args.left_out = default_runs()
     if args.max_steps < 1:
         parser.error(f"--max-steps={args.max_steps!r} must be >= 1")
     unknown = [r for r in args.runs if r not in RUNS]
@@ -89,6 +97,34 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]
     if args.timeout is not None and args.timeout <= 0:
         parser.error(f"--timeout={args.timeout!r} must be > 0")
     return args, extra
+
+
+def default_runs() -> tuple[list[str], list[str]]:
+    """Every run, less Lightning's own rows whose format is slow here; and a line for each row left out."""
+    import torch
+
+    from lightning_mp.gemm_emulation import gemm_support
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    runs, left_out = [], []
+    for name, argv in RUNS.items():
+        fmt = argv[argv.index("--precision") + 1]
+        if "--native" in argv and fmt in ("fp16", "bf16"):
+            support = gemm_support(device, {"fp16": torch.float16, "bf16": torch.bfloat16}[fmt])
+            if not support.native:
+                left_out.append(
+                    f"{name} left out: {support.reason}, and Lightning's own plugin has no GEMM emulation "
+                    f"(lightning_mp's {fmt} row emulates them). HINT: --runs {' '.join(RUNS)} includes it."
+                )
+                continue
+        runs.append(name)
+    return runs, left_out
+
+
+def cpu_label() -> str:
+    from lightning_mp.gemm_emulation import cpu_capability
+
+    return f"CPU capability {cpu_capability()}"
 
 
 def child_env() -> dict[str, str]:
@@ -184,9 +220,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(
         f"comparing {len(args.runs)} runs of examples/train_gpt.py, {args.max_steps} steps each"
         + (f", extra arguments: {' '.join(extra)}" if extra else "")
-        + f"; output in {args.output}",
+        + f"; output in {args.output}; {cpu_label()}",
         flush=True,
     )
+    for line in args.left_out:
+        print(line, flush=True)
     results: list[tuple[str, Optional[dict[str, Any]], str]] = []
     start = time.perf_counter()
     for i, name in enumerate(args.runs, 1):
@@ -211,7 +249,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = next((r["device"] for r in rows if r.get("device")), "unknown")
     kind = next((r["peak_memory_kind"] for r in rows if r.get("peak_memory_kind")), None)
     note = (
-        f"{args.max_steps} steps per run on {device}; peak memory is "
+        f"{args.max_steps} steps per run on {device} ({cpu_label()}); peak memory is "
         + ("torch.cuda.max_memory_allocated" if kind == "cuda_max_memory_allocated" else "the process's peak RSS")
         + f"; total {time.perf_counter() - start:.0f} s."
     )

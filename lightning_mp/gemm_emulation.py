@@ -123,20 +123,29 @@ def _torch_reports_native(dtype: torch.dtype) -> bool:
 @torch.inference_mode()
 def _probe_slowdown(dtype: torch.dtype) -> float:
     """Time of one 128^3 GEMM in ``dtype`` over the same GEMM in FP32 on the CPU; best of a few, interleaved so a
-    busy machine slows both alike. Costs about 1 ms where 16-bit is native, a few ms where it is not."""
+    busy machine slows both alike. Costs about 1 ms where 16-bit is native, a few ms where it is not.
+
+    Timed on one thread: it compares kernels, not thread pools. On an oversubscribed machine a multi-threaded FP32
+    GEMM waits for a descheduled worker at its barrier (measured: 60-80 ms instead of 0.03 ms at load 7.8 on 2
+    cores) while the scalar 16-bit fallback runs on one thread unharmed, and the ratio would come out inverted."""
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=gen)
     b = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=gen)
     a16, b16 = a.to(dtype), b.to(dtype)
-    torch.mm(a, b), torch.mm(a16, b16)  # first calls pay one-time kernel selection
-    best32 = best16 = math.inf
-    for _ in range(_PROBE_REPEATS):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        t1 = time.perf_counter()
-        torch.mm(a16, b16)
-        t2 = time.perf_counter()
-        best32, best16 = min(best32, t1 - t0), min(best16, t2 - t1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.mm(a, b), torch.mm(a16, b16)  # first calls pay one-time kernel selection
+        best32 = best16 = math.inf
+        for _ in range(_PROBE_REPEATS):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            t1 = time.perf_counter()
+            torch.mm(a16, b16)
+            t2 = time.perf_counter()
+            best32, best16 = min(best32, t1 - t0), min(best16, t2 - t1)
+    finally:
+        torch.set_num_threads(threads)
     return best16 / max(best32, 1e-9)
 
 
@@ -160,7 +169,7 @@ def gemm_support(device_type: str, dtype: torch.dtype) -> GemmSupport:
         device_type,
         dtype,
         slowdown < _SLOW_FACTOR,
-        f"a {name} GEMM took {slowdown:.1f}x the FP32 time on {cpu}: {verdict} (oneDNN reports no native {name})",
+        f"one {name} GEMM took {slowdown:.1f}x the FP32 time on {cpu}: {verdict} (oneDNN reports no native {name})",
         slowdown,
     )
 
@@ -213,7 +222,7 @@ def _warn_slow_once(support: GemmSupport) -> None:
     name = _dtype_name(support.dtype)
     factor = f"{support.slowdown:.0f}x" if support.slowdown is not None else "several times"
     warnings.warn(
-        f"gemm='native': {name} GEMMs are not native on {support.device_type} ({cpu_capability()}): a {name} GEMM "
+        f"gemm='native': {name} GEMMs are not native on {support.device_type} ({cpu_capability()}): one {name} GEMM "
         f"takes {factor} the FP32 time here, so this run's matrix products are that much slower than in FP32. "
         f"HINT: gemm='auto' (the default) computes them as FP32 GEMMs on the {name} values and rounds the results "
         f"to {name}: about FP32 speed, {name} memory, results within 1 {name} ulp of the native kernel.",

@@ -350,3 +350,9 @@ def test_cuda_runs_native_kernels_under_auto():
     g = GemmEmulation("auto")
     g.setup("cuda", torch.bfloat16)
     assert not g.emulated and isinstance(g.context(), contextlib.nullcontext)
+
+
+def test_the_probe_leaves_the_thread_count_as_it_was():
+    threads = torch.get_num_threads()
+    assert ge._probe_slowdown(torch.float16) > 0
+    assert torch.get_num_threads() == threads
