@@ -27,6 +27,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_mp import GradientRangeMonitor, LossScaleMonitor, MixedPrecisionPlugin
+from lightning_mp.activation_range_monitor import ActivationRangeMonitor
 from lightning_mp.demos import GPT, StdlibTextDataModule
 from lightning_mp.fp32_policy import NORM_MODULES, RECURRENT_MODULES
 from lightning_mp.gemm_emulation import cpu_capability, gemm_support
@@ -112,6 +113,15 @@ def variants(device: str) -> list[Variant]:
                 callbacks=lambda: [LossScaleMonitor(logging_interval=1)]),
         Variant("lightning_mp fp16 + GradientRangeMonitor(1)", lambda: MixedPrecisionPlugin("fp16"),
                 callbacks=lambda: [GradientRangeMonitor(every_n_steps=1)]),
+        # the overflow locator is on by default: the plain rows above include it, these rows turn it off
+        Variant("lightning_mp bf16, no overflow locator", lambda: MixedPrecisionPlugin("bf16", locate_overflows=False)),
+        Variant("lightning_mp fp16, no overflow locator", lambda: MixedPrecisionPlugin("fp16", locate_overflows=False)),
+        # ActivationRangeMonitor at every_n_steps=1 pays its sampled-step price (hooks, counting, one sync, the
+        # picture) on every step; at the default interval of 50 that excess is divided by 50
+        Variant("lightning_mp fp16 + ActivationRangeMonitor(1)", lambda: MixedPrecisionPlugin("fp16"),
+                callbacks=lambda: [ActivationRangeMonitor(every_n_steps=1)]),
+        Variant("lightning_mp fp16 + ActivationRangeMonitor(1), no image", lambda: MixedPrecisionPlugin("fp16"),
+                callbacks=lambda: [ActivationRangeMonitor(every_n_steps=1, log_image=False)]),
     ]
 
 
@@ -132,6 +142,14 @@ COMPARISONS = [
     ("LossScaleMonitor every step / none, fp16 (target <= 1.01)", "lightning_mp fp16 + LossScaleMonitor",
      "lightning_mp fp16"),
     ("GradientRangeMonitor every step / none, fp16", "lightning_mp fp16 + GradientRangeMonitor(1)", "lightning_mp fp16"),
+    ("overflow locator on (default) / off, bf16 (target <= 1.02)", "lightning_mp bf16",
+     "lightning_mp bf16, no overflow locator"),
+    ("overflow locator on (default) / off, fp16 (target <= 1.02)", "lightning_mp fp16",
+     "lightning_mp fp16, no overflow locator"),
+    ("ActivationRangeMonitor every step / none, fp16", "lightning_mp fp16 + ActivationRangeMonitor(1)",
+     "lightning_mp fp16"),
+    ("ActivationRangeMonitor every step, no image / none, fp16",
+     "lightning_mp fp16 + ActivationRangeMonitor(1), no image", "lightning_mp fp16"),
 ]
 
 
@@ -214,8 +232,9 @@ def main(argv=None) -> list[Variant]:
         if num in median and den in median:
             ratio = median[num] / median[den]
             print(f"RATIO {what}: {ratio:.3f}")
-            if "GradientRangeMonitor" in num:
-                print(f"  -> GradientRangeMonitor at its default every_n_steps=50: {(ratio - 1) / 50:+.2%} per step")
+            for monitor in ("GradientRangeMonitor", "ActivationRangeMonitor"):
+                if monitor in num:
+                    print(f"  -> {monitor} at its default every_n_steps=50: {(ratio - 1) / 50:+.2%} per step")
     return chosen
 
 

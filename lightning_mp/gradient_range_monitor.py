@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp.formats import HALF_DTYPES, resolve_precision
-from lightning_mp.loss_scale_monitor import _logger_step, _PrecisionMonitor
+from lightning_mp.monitor_base import _logger_step, _PrecisionMonitor
 from lightning_mp.loss_scaler import DEFAULT_INIT_SCALE
 from lightning_mp.plugin import MixedPrecisionPlugin
 
