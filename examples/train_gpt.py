@@ -244,6 +244,7 @@ def plugin_settings(plugin: Precision) -> dict[str, Any]:
             "hysteresis": s.hysteresis,
             "fp32_ops": sorted(plugin.policy.ops),
             "fp32_modules": [m.__name__ for m in plugin.policy.modules],
+            "gemm": plugin.gemm.describe(),  # which 16-bit GEMMs ran (native or emulated) and why
         }
     return {"class": f"{type(plugin).__module__}.{type(plugin).__qualname__}", "precision": str(plugin.precision)}
 
