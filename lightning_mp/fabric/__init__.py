@@ -1,0 +1,10 @@
+"""The same mixed precision for Lightning Fabric loops.
+
+``Fabric(plugins=[MixedPrecisionPlugin("bf16")])``, then ``PrecisionMonitor(fabric)`` for the ``precision/...``
+TensorBoard tags. See :mod:`lightning_mp.fabric.plugin` for where each piece runs in a Fabric loop.
+"""
+
+from lightning_mp.fabric.monitor import PrecisionMonitor
+from lightning_mp.fabric.plugin import MixedPrecisionPlugin
+
+__all__ = ["MixedPrecisionPlugin", "PrecisionMonitor"]

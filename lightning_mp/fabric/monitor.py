@@ -1,0 +1,172 @@
+"""The Trainer monitors' ``precision/...`` tags from a Fabric loop, logged at every ``optimizer.step()``.
+
+The loss scale and the skip count are Python numbers the plugin holds on the host: logging them costs no device
+work and no sync. The gradient range is measured by :mod:`lightning_mp.gradient_range_monitor`'s code on the
+sampled steps only, queued on the device before the step and read back after it (one host sync per sampled step).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_mp.fabric.plugin import MixedPrecisionPlugin
+from lightning_mp.gradient_range_monitor import (
+    _TAG_HISTOGRAM,
+    _measure_on_device,
+    _unpack,
+    histogram_kwargs,
+    reference_scale,
+)
+
+
+@dataclass
+class _Pending:
+    names: list[str]
+    numel: int
+    packed: Tensor  # on the device, not yet read back
+
+
+class PrecisionMonitor:
+    """Logs the loss scale, the skipped steps and the gradient range of a Fabric run to Fabric's loggers.
+
+    Create it once the ``Fabric`` exists; from then on every ``optimizer.step()`` logs, with no call in the loop::
+
+        fabric = Fabric(plugins=[MixedPrecisionPlugin("fp16")], loggers=TensorBoardLogger("logs"))
+        PrecisionMonitor(fabric, grad_range_every_n_steps=50)
+
+    The tags are those of :class:`lightning_mp.LossScaleMonitor` and :class:`lightning_mp.GradientRangeMonitor`,
+    so a Fabric run's TensorBoard pages look like a Trainer run's. The x-axis is the optimizer step (0, 1, ...,
+    skipped steps included: ``plugin.optimizer_steps - 1`` after the step); log the loss at the same step to line
+    the curves up.
+
+    ===================================================  ===============================================================
+    Key                                                  Logged value
+    ===================================================  ===============================================================
+    ``precision/loss_scale``                             the scale the step's backward used (``1.0`` when scaling is
+                                                         off); an overflowing step shows the scale that overflowed
+    ``precision/skipped_steps``                          optimizer steps skipped so far (running total, counting the
+                                                         skipped step itself)
+    ``precision/grad_log2_magnitude``                    histogram of log2|g| of the step's true FP32 gradients, one
+                                                         bucket per octave; loggers with ``add_histogram_raw``
+                                                         (TensorBoard) only
+    ``precision/grad_log2_magnitude/<parameter name>``   the same per parameter, with ``per_param=True``
+    ``precision/grad_underflow_fraction``                fraction of gradient elements with ``g != 0`` and
+                                                         ``|g| * scale`` below FP16's smallest subnormal
+    ``precision/grad_overflow_fraction``                 fraction with ``|g| * scale`` above FP16's max, inf or NaN
+    ``precision/grad_zero_fraction``                     fraction of elements exactly zero
+    ===================================================  ===============================================================
+
+    The gradient fractions are measured against FP16 as in :class:`lightning_mp.GradientRangeMonitor` (in a bf16 or
+    fp32 run at FP16's starting scale 2^16), over the parameters of the optimizer that steps, before a skipped step
+    drops its gradients.
+
+    Args:
+        fabric: a ``Fabric`` whose precision plugin is :class:`lightning_mp.fabric.MixedPrecisionPlugin` and which
+            has at least one logger.
+        log_every_n_steps: log the scale and skip count every this many optimizer steps (at steps ``n-1, 2n-1,
+            ...``, Lightning's convention).
+        grad_range_every_n_steps: measure the gradient range every this many optimizer steps; ``None`` never.
+        per_param: also log one histogram per parameter.
+    """
+
+    def __init__(
+        self,
+        fabric: Any,
+        log_every_n_steps: int = 1,
+        grad_range_every_n_steps: int | None = 50,
+        per_param: bool = False,
+    ) -> None:
+        intervals = (("log_every_n_steps", log_every_n_steps), ("grad_range_every_n_steps", grad_range_every_n_steps))
+        for name, value in intervals:
+            if name == "grad_range_every_n_steps" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                allowed = "an integer >= 1" + (" or None (never)" if name == "grad_range_every_n_steps" else "")
+                raise ValueError(f"{name}={value!r} is not allowed: use {allowed}.")
+        if not isinstance(per_param, bool):
+            raise ValueError(f"per_param={per_param!r} is not allowed: use True or False.")
+        plugin = getattr(getattr(fabric, "strategy", None), "precision", None)
+        if not isinstance(plugin, MixedPrecisionPlugin):
+            raise ValueError(
+                f"fabric={fabric!r}: PrecisionMonitor reads the loss scaler of "
+                "lightning_mp.fabric.MixedPrecisionPlugin, "
+                f"but this Fabric's precision plugin is {type(plugin).__name__}. HINT: "
+                "`Fabric(plugins=[lightning_mp.fabric.MixedPrecisionPlugin('fp16')])` (instead of `precision=`)."
+            )
+        if not fabric.loggers:
+            raise ValueError(
+                f"fabric={fabric!r} has no logger, so PrecisionMonitor has nowhere to log. "
+                "HINT: `Fabric(..., loggers=lightning.fabric.loggers.TensorBoardLogger(root_dir))`."
+            )
+        self.log_every_n_steps = log_every_n_steps
+        self.grad_range_every_n_steps = grad_range_every_n_steps
+        self.per_param = per_param
+        self._fabric = fabric
+        self._plugin = plugin
+        self._pending: _Pending | None = None
+        self._warned = False
+        plugin._listeners.append(self)
+
+    def remove(self) -> None:
+        """Stop logging."""
+        if self in self._plugin._listeners:
+            self._plugin._listeners.remove(self)
+
+    # ------------------------------------------------------------------ called by the plugin
+    def before_optimizer_step(self, optimizer: Optimizer) -> None:
+        """Queue the gradient measurement; the gradients are unscaled and the step not yet taken or skipped."""
+        every, step = self.grad_range_every_n_steps, self._plugin.optimizer_steps
+        if every is None or (step + 1) % every or not self._fabric.is_global_zero:
+            return
+        named = list(self._plugin.named_grads(optimizer))
+        if not named:
+            return
+        grads = [g for _, g in named]
+        packed = _measure_on_device(grads, reference_scale(self._plugin), self.per_param)
+        self._pending = _Pending([n for n, _ in named], sum(g.numel() for g in grads), packed)
+
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        plugin = self._plugin
+        step = plugin.optimizer_steps - 1  # the step that just ended
+        metrics: dict[str, float] = {}
+        if (step + 1) % self.log_every_n_steps == 0:
+            metrics["precision/loss_scale"] = float(plugin.last_step_scale)
+            metrics["precision/skipped_steps"] = float(plugin.skipped_steps)
+        pending, self._pending = self._pending, None
+        histograms: dict[str, list[int]] = {}
+        if pending is not None:
+            rows = len(pending.names) if self.per_param else 1
+            r = _unpack(pending.packed.tolist(), pending.numel, rows)  # the one host sync of a sampled step
+            metrics["precision/grad_underflow_fraction"] = r.underflow_fraction
+            metrics["precision/grad_overflow_fraction"] = r.overflow_fraction
+            metrics["precision/grad_zero_fraction"] = r.zero_fraction
+            histograms[_TAG_HISTOGRAM] = r.histogram
+            if self.per_param:
+                histograms.update((f"{_TAG_HISTOGRAM}/{n}", row) for n, row in zip(pending.names, r.counts))
+        if metrics:
+            self._fabric.log_dict(metrics, step=step)
+        if histograms:
+            self._log_histograms(histograms, step)
+
+    def _log_histograms(self, histograms: dict[str, list[int]], step: int) -> None:
+        experiments = (getattr(lg, "experiment", None) for lg in self._fabric.loggers)
+        writers = [w for w in experiments if hasattr(w, "add_histogram_raw")]
+        if not writers and not self._warned:
+            self._warned = True
+            names = ", ".join(type(lg).__name__ for lg in self._fabric.loggers)
+            warnings.warn(
+                f"PrecisionMonitor logs the `{_TAG_HISTOGRAM}` histograms only to loggers whose experiment has "
+                f"`add_histogram_raw` (TensorBoardLogger); with {names} only the fraction scalars are logged.",
+                stacklevel=3,
+            )
+        for writer in writers:
+            for tag, counts in histograms.items():
+                writer.add_histogram_raw(tag, global_step=step, **histogram_kwargs(counts))
+
+
+__all__ = ["PrecisionMonitor"]
