@@ -201,6 +201,7 @@ def main(argv=None) -> list[Variant]:
     chosen = variants(device)
     if args.only:
         wanted = {v.name for v in chosen if any(w in v.name for w in args.only)}
+        wanted |= {num for _, num, den in COMPARISONS if den in wanted}  # e.g. "no overflow locator" -> its default
         wanted |= {den for _, num, den in COMPARISONS if num in wanted} | {"plain fp32 (no plugin)"}
         chosen = [v for v in chosen if v.name in wanted]
     datamodule = StdlibTextDataModule(block_size=args.block_size, batch_size=args.batch_size, max_bytes=2**21)

@@ -176,7 +176,6 @@ class OverflowLocator:
             flat.extend(rec[5] or ())
             spans.append((start, len(flat)))
         values = _to_host(flat)
-        offset = 0
         for phase in (0, 1):
             best = self._found.get(phase)
             offset = 0
