@@ -435,7 +435,7 @@ class MixedPrecisionPlugin(Precision):
             return result
 
         output = optimizer.step(closure=evaluate, **kwargs)
-        self._step.end_training_step(self._global_step())
+        self._end_training_step()  # never a skip here (a non-finite evaluation raised); resets the locator
         return output
 
     # ------------------------------------------------------------------ checkpoints

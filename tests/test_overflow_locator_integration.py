@@ -88,3 +88,10 @@ def test_the_hooks_come_off_at_the_end_of_fit():
 def test_locate_overflows_must_be_a_bool(bad):
     with pytest.raises(ValueError, match=rf"locate_overflows={bad!r} is not allowed: use True or False"):
         MixedPrecisionPlugin("fp16", locate_overflows=bad)
+
+
+def test_lbfgs_steps_reset_the_locator_every_step():
+    plugin = MixedPrecisionPlugin("bf16")
+    fit(TinyRegressor(optimizer="lbfgs"), plugin, max_steps=3)
+    assert plugin.skipped_steps == 0 and plugin.last_overflow is None
+    assert not plugin._locator._records and not plugin._locator._found
