@@ -31,6 +31,7 @@ from lightning_mp.formats import HALF_DTYPES, resolve_precision
 from lightning_mp.monitor_base import _logger_step, _PrecisionMonitor
 from lightning_mp.loss_scaler import DEFAULT_INIT_SCALE
 from lightning_mp.plugin import MixedPrecisionPlugin
+from lightning_mp.sharding import local
 
 # Buckets: one per octave, bucket k holds |g| in [2^k, 2^(k+1)), i.e. log2|g| in [k, k+1), for every k an FP32
 # number can have: from -149 (FP32's smallest subnormal 2^-149; BF16's is 2^-133) to 127 (FP32's max is just under
@@ -275,7 +276,8 @@ class GradientRangeMonitor(_PrecisionMonitor):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         plugin = self._plugin
-        if plugin is None or not trainer.is_global_zero:
+        # FSDP2: every rank holds a shard, so every rank counts its own and the counts are summed
+        if plugin is None or not (trainer.is_global_zero or plugin.sharded):
             return
         step = _logger_step(trainer)
         if (step + 1) % self.every_n_steps:
@@ -284,12 +286,15 @@ class GradientRangeMonitor(_PrecisionMonitor):
         named = list(plugin.named_grads(optimizer))
         if not named:
             return
-        grads = [g for _, g in named]
+        grads = [local(g) for _, g in named]
+        packed = _measure_on_device(grads, reference_scale(plugin), self.per_param)
+        if plugin.sharded:
+            torch.distributed.all_reduce(packed)  # counts of the whole model, not of this rank's shard
         self._pending_step = step
         self._pending[id(optimizer)] = _Pending(
             names=[n for n, _ in named],
-            numel=sum(g.numel() for g in grads),
-            packed=_measure_on_device(grads, reference_scale(plugin), self.per_param),
+            numel=sum(g.numel() for _, g in named),  # a DTensor's numel is the full parameter's
+            packed=packed,
         )
 
     @override

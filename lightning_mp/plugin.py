@@ -42,6 +42,7 @@ from lightning_mp.loss_scaler import LossScaler
 from lightning_mp.master_weights import MasterWeights
 from lightning_mp.overflow_locator import OverflowLocator, OverflowReport
 from lightning_mp.scheduler_guard import SchedulerGuard
+from lightning_mp.sharding import fsdp_mp_policy, is_sharded
 from lightning_mp.step import MixedPrecisionStep
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,7 @@ class MixedPrecisionPlugin(Precision):
         self._module: nn.Module | None = None
         self._lightning_module: LightningModule | None = None
         self._handles: list[Any] = []
+        self._sharded = False
 
     # ------------------------------------------------------------------ read-only state
     @property
@@ -228,9 +230,21 @@ class MixedPrecisionPlugin(Precision):
         return "\n".join(lines) + "\n\n" + self.policy.describe()
 
     # ------------------------------------------------------------------ set-up
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded by FSDP2: its FP32 shards are the masters (see lightning_mp.sharding)."""
+        return self._sharded
+
+    def fsdp_mp_policy(self):
+        """The FSDP2 ``MixedPrecisionPolicy`` for this format: compute in it, reduce gradients in FP32.
+
+        Pass it to every ``fully_shard(..., mp_policy=plugin.fsdp_mp_policy())`` call in ``configure_model``."""
+        return fsdp_mp_policy(self.format.dtype if self.format.is_16bit else torch.float32)
+
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        if self.master_weights:
+        self._sharded = is_sharded(module)
+        if self.master_weights and not self._sharded:
             self._masters = MasterWeights(self.format.dtype, keep_fp32=self.policy.keeps_fp32)
             self._masters.convert(module)
         return module

@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 
 from lightning_mp.distributed import agree_on_overflow_
 from lightning_mp.loss_scaler import LossScaler
+from lightning_mp.sharding import local
 
 _STATE_VERSION = 2
 
@@ -132,9 +133,11 @@ class MixedPrecisionStep:
                 if not g.is_coalesced():
                     p.grad = g = g.coalesce()  # then _values() is a view of what the optimizer reads
                 g = g._values()
+            g = local(g)  # FSDP2: unscale and check this rank's shard; the flag is agreed across ranks
             if g.is_complex():
                 g = torch.view_as_real(g)
-            dense.append(g)
+            if g.numel():  # an FSDP2 shard can be empty on some ranks (a bias of 1 element over 2 ranks)
+                dense.append(g)
         return dense
 
     # ------------------------------------------------------------------ checkpoints

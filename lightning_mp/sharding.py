@@ -1,0 +1,63 @@
+"""FSDP2 (``fully_shard``, Lightning's ``ModelParallelStrategy``): what the plugin does differently there.
+
+Under FSDP2 each rank holds an FP32 shard of every parameter (a ``DTensor``); FSDP all-gathers them into the
+compute dtype of its ``MixedPrecisionPolicy`` for the forward and backward, and reduce-scatters the gradients in
+``reduce_dtype`` back onto the FP32 shards. The FP32 shards are therefore already the masters: the plugin makes
+no 16-bit copies of its own and leaves the casts to FSDP (:func:`fsdp_mp_policy` gives the policy that matches
+the plugin's format, with FP32 gradient reduction). What the plugin adds is what FSDP2 has no answer for: loss
+scaling for fp16, the non-finite guard (unscale and check on the local shards, the flag agreed across ranks with
+MAX, so every rank skips the same steps), the FP32 op policy, the schedule guard and the monitors.
+
+Supported: every trainable floating parameter sharded by ``fully_shard`` on a 1-D mesh (``Shard(0)``).
+Tensor-parallel placements and parameters left out of ``fully_shard`` are refused with an error at setup.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+try:  # torch >= 2.5; 2.4 had it under the private path
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # pragma: no cover
+    from torch.distributed._tensor import DTensor, Shard  # type: ignore[no-redef]
+
+
+def fsdp_mp_policy(dtype: torch.dtype):
+    """``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)`` for ``fully_shard``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def local(t: Tensor) -> Tensor:
+    """This rank's shard of a ``DTensor`` (a view: writing it writes the shard); any other tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` sharded this module; raises ``ValueError`` for layouts the plugin cannot handle."""
+    sharded, plain = [], []
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor):
+            sharded.append((name, p))
+        elif p.requires_grad and p.is_floating_point():
+            plain.append(name)
+    if not sharded:
+        return False
+    if plain:
+        raise ValueError(
+            f"{len(plain)} trainable parameters are not sharded by fully_shard ({', '.join(plain[:3])}"
+            f"{', ...' if len(plain) > 3 else ''}), beside {len(sharded)} sharded ones. MixedPrecisionPlugin supports "
+            "FSDP2 when every trainable parameter is sharded. HINT: call fully_shard(self) on the whole "
+            "LightningModule at the end of configure_model, after the per-layer calls."
+        )
+    for name, p in sharded:
+        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+            raise ValueError(
+                f"parameter {name!r} has placements {tuple(p.placements)!r} on a {p.device_mesh.ndim}-D mesh; "
+                "MixedPrecisionPlugin supports FSDP2's Shard(0) on a 1-D data-parallel mesh only (no tensor "
+                "parallelism, no HSDP). HINT: use ModelParallelStrategy(tensor_parallel_size=1) and fully_shard "
+                "on the 'data_parallel' mesh."
+            )
+    return True

@@ -1,0 +1,137 @@
+"""Run by tests/test_fsdp2.py as a script: Lightning's ModelParallelStrategy (FSDP2, gloo, CPU) re-launches this
+file once per rank; the model is sharded with ``fully_shard`` in ``configure_model``, as a user writes it.
+
+Writes ``rank{r}.pt`` into ``--out``: the gathered full weights, the plugin's counters, the losses and what the
+monitors logged.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.loggers import Logger  # noqa: E402
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from lightning_mp import GradientRangeMonitor, LossScaleMonitor, MixedPrecisionPlugin  # noqa: E402
+
+
+class Recorder(Logger):
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    name, version = "recorder", 0
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+
+class Model(L.LightningModule):
+    def __init__(self, plugin, poison_rank, poison_step, shard=True, partial=False):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        with torch.no_grad():  # dyadic weights and integer data: every product and sum below is exact
+            self.net[0].weight.copy_(torch.arange(32.0).reshape(8, 4).remainder(5).sub(2).div(4))
+            self.net[0].bias.zero_()
+            self.net[2].weight.copy_(torch.arange(8.0).reshape(1, 8).remainder(3).sub(1).div(2))
+            self.net[2].bias.zero_()
+        self.plugin, self.poison_rank, self.poison_step, self.shard = plugin, poison_rank, poison_step, shard
+        self.partial = partial
+        self.losses = []
+
+    def configure_model(self):
+        if not self.shard:
+            return
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = self.plugin.fsdp_mp_policy() if self.plugin is not None else MixedPrecisionPolicy()
+        mesh = self.device_mesh["data_parallel"]
+        if self.partial:  # a user who shards one layer and forgets the rest
+            fully_shard(self.net[0], mesh=mesh, mp_policy=mp)
+            return
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(self, mesh=mesh, mp_policy=mp)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_after_backward(self):
+        # a NaN in one rank's shard only: only the agreed flag keeps the ranks skipping the same step
+        if self.global_rank == self.poison_rank and self.trainer.global_step == self.poison_step:
+            grad = self.net[0].weight.grad
+            (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("nan")
+
+    def train_dataloader(self):
+        r, w = self.trainer.global_rank, self.trainer.world_size
+        return DataLoader(TensorDataset(self.x[r::w], self.y[r::w]), batch_size=self.batch_size, shuffle=False)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=2.0**-6)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--precision", default="bf16", help="fp16, bf16, or none (no plugin)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--poison-rank", type=int, default=-1)
+    parser.add_argument("--poison-step", type=int, default=-1)
+    parser.add_argument("--save", help="distributed checkpoint written at the end")
+    parser.add_argument("--resume", help="distributed checkpoint to resume from")
+    parser.add_argument("--no-shard", action="store_true", help="one plain process: the unsharded reference")
+    parser.add_argument("--partial", action="store_true", help="fully_shard on the first layer only")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(-2, 3, (64, 4), generator=g).float()
+    y = torch.randint(-4, 5, (64, 1), generator=g).float()
+    plugin = None if args.precision == "none" else MixedPrecisionPlugin(args.precision, init_scale=2.0**8)
+    model = Model(plugin, args.poison_rank, args.poison_step, shard=not args.no_shard, partial=args.partial)
+    model.x, model.y, model.batch_size = x, y, 16 // args.devices
+    logger = Recorder()
+    callbacks = [LossScaleMonitor(), GradientRangeMonitor(every_n_steps=1)] if plugin is not None else []
+    strategy = (
+        "auto" if args.no_shard else ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        plugins=[plugin] if plugin is not None else [],
+        max_epochs=args.epochs,
+        logger=logger,
+        log_every_n_steps=1,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(model, ckpt_path=args.resume)
+    if args.save:
+        trainer.save_checkpoint(args.save)
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
+    result = {"state": full, "losses": model.losses, "steps": trainer.global_step, "logged": logger.rows}
+    if plugin is not None:
+        result.update(scale=plugin.loss_scale, skipped=plugin.skipped_steps, scaler=plugin.scaler.state_dict())
+    torch.save(result, os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()
