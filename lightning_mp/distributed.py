@@ -43,12 +43,11 @@ def average_across_ranks_(tensors: list[Tensor]) -> None:
     if n == 1 or not tensors:
         return
     rest = []
-    for run in _runs(tensors):
+    for run in contiguous_runs(tensors):
         if len(run) == 1:
             rest.append(run[0])
             continue
-        first = run[0]
-        flat = first.as_strided((sum(t.numel() for t in run),), (1,), first.storage_offset())
+        flat = run_view(run)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         flat.div_(n)
     if not rest:
@@ -62,7 +61,7 @@ def average_across_ranks_(tensors: list[Tensor]) -> None:
         offset += t.numel()
 
 
-def _runs(tensors: list[Tensor]) -> list[list[Tensor]]:
+def contiguous_runs(tensors: list[Tensor]) -> list[list[Tensor]]:
     """Split ``tensors`` (in order) into runs of contiguous tensors that follow each other in one storage."""
     runs: list[list[Tensor]] = []
     end = None  # (storage pointer, dtype, device, offset where the current run ends)
@@ -74,3 +73,11 @@ def _runs(tensors: list[Tensor]) -> list[list[Tensor]]:
             runs.append([t])
         end = (*key, t.storage_offset() + t.numel()) if key is not None else None
     return runs
+
+
+def run_view(run: list[Tensor]) -> Tensor:
+    """A 1-D view covering a run from :func:`contiguous_runs` (writing it writes the tensors)."""
+    first = run[0]
+    if len(run) == 1:
+        return first.reshape(-1)
+    return first.as_strided((sum(t.numel() for t in run),), (1,), first.storage_offset())

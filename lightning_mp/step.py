@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_mp.distributed import agree_on_overflow_
+from lightning_mp.distributed import agree_on_overflow_, contiguous_runs, run_view
 from lightning_mp.loss_scaler import LossScaler
 from lightning_mp.sharding import local
 
@@ -161,18 +161,24 @@ class MixedPrecisionStep:
 
 @torch.no_grad()
 def _non_finite_flag(grads: list[Tensor]) -> Tensor:
-    """1.0 if any element is inf or NaN, read-only: the max-norm of each tensor propagates both, and one fused
-    call computes them all."""
+    """1.0 if any element is inf or NaN, read-only (no multiply by 1.0, nothing rewritten).
+
+    On CUDA one fused max-norm per (device, dtype) group; both inf and NaN propagate through it. On the CPU that
+    kernel is a slow per-tensor fallback (4 ms for 1.7M elements on one core, against 0.2 ms here): min and max
+    of each run of gradients that tile one buffer (the flat FP32 buffer the masters fold into) instead, which
+    also propagate both.
+    """
     if not grads:
         return torch.zeros(())
     device = grads[0].device
-    flags = [_group_flag(group) for group in _by_device_and_dtype(grads).values()]
-    return torch.stack([f.to(device) for f in flags]).amax()
-
-
-def _group_flag(group: list[Tensor]) -> Tensor:
-    norms = torch.stack(torch._foreach_norm(group, float("inf")))
-    return (~norms.isfinite()).any().float()
+    flags = []
+    for (dev, _), group in _by_device_and_dtype(grads).items():
+        if dev.type == "cuda":
+            extremes = torch.stack(torch._foreach_norm(group, float("inf")))
+        else:
+            extremes = torch.cat([torch.stack(torch.aminmax(view)) for view in map(run_view, contiguous_runs(group))])
+        flags.append((~extremes.isfinite()).any().float().to(device))
+    return torch.stack(flags).amax()
 
 
 def _by_device_and_dtype(tensors: list[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
