@@ -41,6 +41,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
+from lightning_mp.validation import check_bool, check_int, check_number
+
 # Directories skipped while walking. site-packages/dist-packages are third-party installs, not the stdlib,
 # and would make the text depend on what happens to be installed. encodings/ (~1.5 MB) is mostly generated
 # codec tables and pydoc_data/ is one huge docstring: with a cut at the end of the sorted stream,
@@ -48,12 +50,6 @@ from torchmetrics.text import Perplexity
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "encodings", "pydoc_data"})
 # _sysconfigdata_*.py is written by the build and holds this machine's compiler flags and paths.
 _SKIP_FILE_PREFIXES = ("_sysconfigdata_",)
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    # bool is a subclass of int; ``block_size=True`` is a mistake, not the number 1.
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 class _Chunks(Dataset):
@@ -117,15 +113,14 @@ class StdlibTextDataModule(L.LightningDataModule):
         seed: Optional[int] = None,
     ) -> None:
         super().__init__()
-        _check_int("block_size", block_size, 1)
-        _check_int("batch_size", batch_size, 1)
-        _check_int("max_bytes", max_bytes, 1)
-        _check_int("num_workers", num_workers, 0)
-        _check_int("max_val_batches", max_val_batches, 1)
+        check_int("block_size", block_size, 1)
+        check_int("batch_size", batch_size, 1)
+        check_int("max_bytes", max_bytes, 1)
+        check_int("num_workers", num_workers, 0)
+        check_int("max_val_batches", max_val_batches, 1)
         if seed is not None:
-            _check_int("seed", seed, 0)
-        if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
-            raise ValueError(f"val_fraction must be a number strictly between 0 and 1, got {val_fraction!r}")
+            check_int("seed", seed, 0)
+        check_number("val_fraction", val_fraction, 0.0, low_open=True, high=1.0)
         if root is not None and not Path(root).is_dir():
             raise ValueError(f"root must be an existing directory or None (the stdlib), got {root!r}")
         self.save_hyperparameters()
@@ -289,7 +284,7 @@ class GPT(L.LightningModule):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("block_size", block_size), ("n_layer", n_layer),
                             ("n_head", n_head), ("n_embd", n_embd)):
-            _check_int(name, value, 1)
+            check_int(name, value, 1)
         if n_embd % n_head:
             raise ValueError(f"n_embd must be divisible by n_head={n_head!r}, got n_embd={n_embd!r}")
         if not 0 <= dropout < 1:
@@ -457,17 +452,15 @@ class DigitsDataModule(L.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        _check_int("batch_size", batch_size, 1)
-        _check_int("image_size", image_size, 8)
-        _check_int("max_shift", max_shift, 0)
-        _check_int("split_seed", split_seed, 0)
-        _check_int("num_workers", num_workers, 0)
+        check_int("batch_size", batch_size, 1)
+        check_int("image_size", image_size, 8)
+        check_int("max_shift", max_shift, 0)
+        check_int("split_seed", split_seed, 0)
+        check_int("num_workers", num_workers, 0)
         if seed is not None:
-            _check_int("seed", seed, 0)
-        if not isinstance(augment, bool):
-            raise ValueError(f"augment must be True or False, got {augment!r}")
-        if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
-            raise ValueError(f"val_fraction must be a number strictly between 0 and 1, got {val_fraction!r}")
+            check_int("seed", seed, 0)
+        check_bool("augment", augment)
+        check_number("val_fraction", val_fraction, 0.0, low_open=True, high=1.0)
         self.save_hyperparameters()
         self.batch_size = batch_size
         self.image_size = image_size
@@ -596,9 +589,8 @@ class ResNet(L.LightningModule):
         super().__init__()
         for name, value in (("num_classes", num_classes), ("in_channels", in_channels), ("width", width),
                             ("blocks_per_stage", blocks_per_stage)):
-            _check_int(name, value, 1)
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-            raise ValueError(f"lr must be a number > 0, got {lr!r}")
+            check_int(name, value, 1)
+        check_number("lr", lr, 0.0, low_open=True)
         self.save_hyperparameters()
         self.stem = nn.Sequential(
             nn.Conv2d(in_channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True)

@@ -32,6 +32,7 @@ from lightning_mp.monitor_base import _logger_step, _PrecisionMonitor
 from lightning_mp.loss_scaler import DEFAULT_INIT_SCALE
 from lightning_mp.plugin import MixedPrecisionPlugin
 from lightning_mp.sharding import local
+from lightning_mp.validation import check_bool, check_int
 
 # Buckets: one per octave, bucket k holds |g| in [2^k, 2^(k+1)), i.e. log2|g| in [k, k+1), for every k an FP32
 # number can have: from -149 (FP32's smallest subnormal 2^-149; BF16's is 2^-133) to 127 (FP32's max is just under
@@ -252,13 +253,8 @@ class GradientRangeMonitor(_PrecisionMonitor):
     """
 
     def __init__(self, every_n_steps: int = 50, per_param: bool = False) -> None:
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(
-                f"every_n_steps={every_n_steps!r} is not allowed: use an integer >= 1 (measure every that many "
-                "optimizer steps)."
-            )
-        if not isinstance(per_param, bool):
-            raise ValueError(f"per_param={per_param!r} is not allowed: use True or False.")
+        check_int("every_n_steps", every_n_steps, 1, why="measure every that many optimizer steps")
+        check_bool("per_param", per_param)
         self.every_n_steps = every_n_steps
         self.per_param = per_param
         super().__init__()

@@ -13,6 +13,7 @@ from typing_extensions import override
 
 # the shared base lives in monitor_base; these names stay importable from here
 from lightning_mp.monitor_base import _logger_step, _PrecisionMonitor  # noqa: F401
+from lightning_mp.validation import check_int
 
 
 class LossScaleMonitor(_PrecisionMonitor):
@@ -50,13 +51,10 @@ class LossScaleMonitor(_PrecisionMonitor):
     """
 
     def __init__(self, logging_interval: int | None = None) -> None:
-        if logging_interval is not None and (
-            isinstance(logging_interval, bool) or not isinstance(logging_interval, int) or logging_interval < 1
-        ):
-            raise ValueError(
-                f"logging_interval={logging_interval!r} is not allowed: use an integer >= 1 (log every that many "
-                "optimizer steps) or None (follow the Trainer's log_every_n_steps)."
-            )
+        check_int(
+            "logging_interval", logging_interval, 1, why="log every that many optimizer steps",
+            allow_none="follow the Trainer's log_every_n_steps",
+        )
         super().__init__()
         self.logging_interval = logging_interval
 

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_mp.validation import check_int, check_number
+
 DEFAULT_INIT_SCALE = 2.0**16
 DEFAULT_MAX_SCALE = 2.0**24
 DEFAULT_MIN_SCALE = 1.0
@@ -88,14 +90,14 @@ class LossScaler:
                     f"loss_scale={mode!r} is not supported. Allowed: 'dynamic', a positive finite number "
                     "(a static scale), or None (no scaling)."
                 )
-        _check_number("init_scale", init_scale, low=0.0, low_open=True)
-        _check_number("growth_factor", growth_factor, low=1.0, low_open=True)
-        _check_number("backoff_factor", backoff_factor, low=0.0, low_open=True, high=1.0)
-        _check_int("growth_interval", growth_interval, low=1)
-        _check_int("hysteresis", hysteresis, low=1)
-        _check_number("min_scale", min_scale, low=0.0, low_open=True)
-        _check_number("max_scale", max_scale, low=0.0, low_open=True)
-        _check_int("max_consecutive_skips", max_consecutive_skips, low=1)
+        check_number("init_scale", init_scale, low=0.0, low_open=True)
+        check_number("growth_factor", growth_factor, low=1.0, low_open=True)
+        check_number("backoff_factor", backoff_factor, low=0.0, low_open=True, high=1.0)
+        check_int("growth_interval", growth_interval, low=1)
+        check_int("hysteresis", hysteresis, low=1)
+        check_number("min_scale", min_scale, low=0.0, low_open=True)
+        check_number("max_scale", max_scale, low=0.0, low_open=True)
+        check_int("max_consecutive_skips", max_consecutive_skips, low=1)
         if min_scale > max_scale:
             raise ValueError(f"min_scale={min_scale!r} must not exceed max_scale={max_scale!r}.")
         if mode == "dynamic" and not min_scale <= init_scale <= max_scale:
@@ -244,19 +246,3 @@ class LossScaler:
         self.last_step_skipped = bool(state.get("last_step_skipped", False))
         self.last_step_scale = float(state.get("last_step_scale", self.scale))
         self.steps = int(state.get("steps", 0))
-
-
-def _check_number(name: str, value: Any, low: float, low_open: bool = False, high: float | None = None) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (value > low if low_open else value >= low) and (high is None or value < high)
-    if not ok:
-        bound = f"> {low:g}" if low_open else f">= {low:g}"
-        if high is not None:
-            bound = f"in ({low:g}, {high:g})"
-        raise ValueError(f"{name}={value!r} is not allowed: it must be a finite number {bound}.")
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} is not allowed: it must be an integer >= {low}.")

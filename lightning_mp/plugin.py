@@ -44,6 +44,7 @@ from lightning_mp.overflow_locator import OverflowLocator, OverflowReport
 from lightning_mp.scheduler_guard import SchedulerGuard
 from lightning_mp.sharding import fsdp_mp_policy, is_sharded
 from lightning_mp.step import MixedPrecisionStep
+from lightning_mp.validation import check_bool
 
 log = logging.getLogger(__name__)
 
@@ -111,15 +112,14 @@ class MixedPrecisionPlugin(Precision):
         super().__init__()
         self.format: Format = resolve_precision(precision)
         self.precision = self.format.lightning_precision  # what Lightning's Trainer.precision reports
+        if master_weights is not None and not isinstance(master_weights, bool):
+            raise ValueError(f"master_weights={master_weights!r} is not allowed: use True, False or None (auto).")
         for name, value in (
-            ("master_weights", master_weights),
             ("skip_scheduler_on_overflow", skip_scheduler_on_overflow),
             ("check_finite", check_finite),
             ("locate_overflows", locate_overflows),
         ):
-            if not isinstance(value, bool) and not (name == "master_weights" and value is None):
-                allowed = "True, False or None (auto)" if name == "master_weights" else "True or False"
-                raise ValueError(f"{name}={value!r} is not allowed: use {allowed}.")
+            check_bool(name, value)
         self.master_weights = self.format.is_16bit and master_weights is not False
         if loss_scale == "auto":
             loss_scale = self.format.default_loss_scale

@@ -103,11 +103,11 @@ def test_shift_batch_moves_each_image_by_at_most_max_shift():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(batch_size=0), "batch_size must be an int >= 1, got 0"),
-        (dict(image_size=4), "image_size must be an int >= 8, got 4"),
-        (dict(val_fraction=1.0), "val_fraction must be a number strictly between 0 and 1, got 1.0"),
-        (dict(augment="yes"), "augment must be True or False, got 'yes'"),
-        (dict(max_shift=-1), "max_shift must be an int >= 0, got -1"),
+        (dict(batch_size=0), "batch_size=0 is not allowed: use an integer >= 1"),
+        (dict(image_size=4), "image_size=4 is not allowed: use an integer >= 8"),
+        (dict(val_fraction=1.0), r"val_fraction=1.0 is not allowed: use a finite number in \(0, 1\)"),
+        (dict(augment="yes"), "augment='yes' is not allowed: use True or False"),
+        (dict(max_shift=-1), "max_shift=-1 is not allowed: use an integer >= 0"),
     ],
 )
 def test_digits_bad_arguments_name_themselves(kwargs, match):
@@ -116,9 +116,9 @@ def test_digits_bad_arguments_name_themselves(kwargs, match):
 
 
 def test_resnet_bad_arguments_name_themselves():
-    with pytest.raises(ValueError, match="width must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="width=0 is not allowed: use an integer >= 1"):
         ResNet(width=0)
-    with pytest.raises(ValueError, match="lr must be a number > 0, got -0.1"):
+    with pytest.raises(ValueError, match="lr=-0.1 is not allowed: use a finite number > 0"):
         ResNet(lr=-0.1)
 
 
