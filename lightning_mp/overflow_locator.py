@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 PHASES = ("forward", "backward")
 
@@ -150,7 +151,8 @@ class OverflowLocator:
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(index)))
             self._handles.append(module.register_forward_hook(self._post_hook(index), always_call=True))
             for pname, param in module.named_parameters(recurse=False):
-                if param.requires_grad and id(param) not in seen_params:
+                # an uninitialized (lazy) parameter takes no hook; its module's outputs are still checked
+                if param.requires_grad and id(param) not in seen_params and not is_lazy(param):
                     seen_params.add(id(param))
                     self._handles.append(param.register_hook(self._grad_hook(index, f"gradient of {pname}")))
 
@@ -212,7 +214,9 @@ class OverflowLocator:
     # ------------------------------------------------------------------ hooks
     def _pre_hook(self, index: int):
         def hook(module: nn.Module, args: tuple) -> tuple | None:
-            if not torch.is_grad_enabled() or not self._recording:
+            # inside a torch.compile'd region the hooks step aside (Dynamo would trace the bookkeeping): compiled
+            # modules are located by the eager modules around them and by their parameters' gradients
+            if not torch.is_grad_enabled() or not self._recording or torch.compiler.is_compiling():
                 return None
             with torch._C.DisableTorchFunction():
                 floats = tuple(a for a in args if isinstance(a, Tensor) and a.is_floating_point())
@@ -241,7 +245,7 @@ class OverflowLocator:
 
     def _post_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if not self._calls or self._calls[-1][0] != index:
+            if torch.compiler.is_compiling() or not self._calls or self._calls[-1][0] != index:
                 return  # no matching pre-hook: grad disabled, not recording, or the forward raised in a child
             _, inputs, input_stats = self._calls.pop()
             with torch._C.DisableTorchFunction():
@@ -254,9 +258,10 @@ class OverflowLocator:
 
     def _grad_hook(self, index: int, tensor: str):
         def hook(grad: Tensor) -> None:
-            if not self._recording:
+            if not self._recording or torch.compiler.is_compiling():
                 return
             with torch._C.DisableTorchFunction():
+                grad = _real_dense(grad)
                 if grad.device.type in _EAGER_DEVICE_TYPES:
                     value = self._found.get(1) is None and _cpu_non_finite(grad)
                     if value:
@@ -345,6 +350,13 @@ def _tensors(output: Any) -> Iterator[Tensor]:
         yield from (o for o in output if isinstance(o, Tensor))
     elif isinstance(output, dict):
         yield from (o for o in output.values() if isinstance(o, Tensor))
+
+
+def _real_dense(t: Tensor) -> Tensor:
+    """What to check of a gradient: a sparse one's values, a complex one as real pairs (as GradScaler does)."""
+    if t.is_sparse:
+        t = t._values()
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def _cpu_non_finite(t: Tensor) -> str | None:

@@ -21,7 +21,6 @@ from lightning_mp import MixedPrecisionPlugin
 from tests.conftest import trainer_kwargs
 
 PRECISIONS = ["bf16", "fp16"]
-LOCATE = False
 
 
 def data(n=24, seed=0):
@@ -50,7 +49,7 @@ class Net(L.LightningModule):
 
 
 def run(model, precision, callbacks=(), epochs=3, plugin_kwargs=None, **kwargs):
-    knobs = {"init_scale": 2.0**8, "locate_overflows": LOCATE, **(plugin_kwargs or {})}
+    knobs = {"init_scale": 2.0**8, **(plugin_kwargs or {})}
     plugins = [] if precision == "fp32" else [MixedPrecisionPlugin(precision, **knobs)]
     trainer = L.Trainer(plugins=plugins, max_epochs=epochs, callbacks=list(callbacks), **trainer_kwargs(**kwargs))
     trainer.fit(model, data())
