@@ -34,9 +34,14 @@ from lightning_mp.gemm_emulation import cpu_capability, gemm_support
 
 
 class StepTimer(Callback):
-    """Wall time of each training step; synchronizes CUDA so queued kernels are counted in their step."""
+    """Wall time of each training step; synchronizes CUDA so queued kernels are counted in their step.
 
-    def __init__(self) -> None:
+    ``clock=time.process_time`` counts this process's CPU time instead: on a CPU shared with other jobs, wall time
+    measures the neighbours as much as the step, CPU time (with ``--threads 1``, so no thread spins waiting for
+    another) only the step's own work."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
         self.times: list[float] = []
         self.state_bytes = 0
         self.num_params = 0
@@ -48,11 +53,11 @@ class StepTimer(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._sync(pl_module)
-        self._t0 = time.perf_counter()
+        self._t0 = self.clock()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._sync(pl_module)
-        self.times.append(time.perf_counter() - self._t0)
+        self.times.append(self.clock() - self._t0)
         self.state_bytes, self.num_params = model_state_bytes(pl_module, trainer.optimizers)
 
 
@@ -156,7 +161,7 @@ COMPARISONS = [
 def run_round(variant: Variant, datamodule, args, accelerator: str) -> None:
     L.seed_everything(0, verbose=False)
     model = GPT(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size)
-    timer = StepTimer()
+    timer = StepTimer(time.process_time if args.clock == "cpu" else time.perf_counter)
     plugins = [variant.plugin()] if variant.plugin else []
     trainer = L.Trainer(
         accelerator=accelerator,
@@ -188,6 +193,9 @@ def main(argv=None) -> list[Variant]:
     parser.add_argument("--n-embd", type=int, default=256)
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--only", nargs="*", help="run only variants whose name contains one of these words")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time steps by wall clock (default) or by this process's CPU time (a shared machine)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args(argv)
     args.log_dir = tempfile.mkdtemp(prefix="lightning_mp_bench_")
     for name in ("rounds", "steps", "batch_size", "block_size", "n_layer", "n_embd", "n_head"):
@@ -196,13 +204,20 @@ def main(argv=None) -> list[Variant]:
     if not 0 <= args.warmup < args.steps:
         parser.error(f"--warmup={args.warmup!r} must be in [0, --steps)")
 
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads={args.threads!r} must be >= 1")
+        torch.set_num_threads(args.threads)
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     device = accelerator
     chosen = variants(device)
     if args.only:
-        wanted = {v.name for v in chosen if any(w in v.name for w in args.only)}
-        wanted |= {num for _, num, den in COMPARISONS if den in wanted}  # e.g. "no overflow locator" -> its default
-        wanted |= {den for _, num, den in COMPARISONS if num in wanted} | {"plain fp32 (no plugin)"}
+        matched = {v.name for v in chosen if any(w in v.name for w in args.only)}
+        # both sides of every comparison a matched variant is in (e.g. "no overflow locator" -> its default)
+        wanted = matched | {"plain fp32 (no plugin)"}
+        for _, num, den in COMPARISONS:
+            if num in matched or den in matched:
+                wanted |= {num, den}
         chosen = [v for v in chosen if v.name in wanted]
     datamodule = StdlibTextDataModule(block_size=args.block_size, batch_size=args.batch_size, max_bytes=2**21)
     print(f"device: {device} ({torch.cuda.get_device_name() if device == 'cuda' else f'{torch.get_num_threads()} threads'})"
@@ -213,7 +228,8 @@ def main(argv=None) -> list[Variant]:
                       for n, s in (("bf16", gemm_support(device, torch.bfloat16)),
                                    ("fp16", gemm_support(device, torch.float16)))))
     print(f"GPT {args.n_layer}x{args.n_embd}, batch {args.batch_size}x{args.block_size}; "
-          f"{args.rounds} rounds x {args.steps} steps, {args.warmup} warm-up steps dropped per round\n")
+          f"{args.rounds} rounds x {args.steps} steps, {args.warmup} warm-up steps dropped per round, "
+          f"{'CPU' if args.clock == 'cpu' else 'wall'} time\n")
     for r in range(args.rounds):
         for v in chosen:
             run_round(v, datamodule, args, accelerator)

@@ -35,12 +35,13 @@ on a clean step. Only :meth:`report` reads them, in one transfer per device (a h
 skipped (the plugin does, after the skip-or-step sync it makes anyway). On the CPU there is nothing to sync, so the
 check is a plain ``sum`` (half the work of ``aminmax`` there), read at once; a non-finite sum is confirmed with an
 ``aminmax`` (an FP16 row sum can overflow where no element does) and the first one found is kept with its input's
-magnitude. The hooks run with torch-function modes off, so the FP32 op policy neither upcasts nor slows them.
-Module inputs are read from positional arguments only.
+magnitude. The hooks run with torch-function and Python dispatch modes off, so neither the FP32 op policy nor GEMM
+emulation upcasts or slows them. Module inputs are read from positional arguments only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Iterator
@@ -50,6 +51,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
+from torch.utils._python_dispatch import _disable_current_modes
 
 PHASES = ("forward", "backward")
 
@@ -218,7 +220,7 @@ class OverflowLocator:
             # modules are located by the eager modules around them and by their parameters' gradients
             if not torch.is_grad_enabled() or not self._recording or torch.compiler.is_compiling():
                 return None
-            with torch._C.DisableTorchFunction():
+            with _bare():
                 floats = tuple(a for a in args if isinstance(a, Tensor) and a.is_floating_point())
                 # device inputs: their numbers now (mostly reused from the module that produced them); CPU inputs
                 # are only measured if this module turns out to be the culprit
@@ -248,7 +250,7 @@ class OverflowLocator:
             if torch.compiler.is_compiling() or not self._calls or self._calls[-1][0] != index:
                 return  # no matching pre-hook: grad disabled, not recording, or the forward raised in a child
             _, inputs, input_stats = self._calls.pop()
-            with torch._C.DisableTorchFunction():
+            with _bare():
                 checked = [self._check_output(index, t, inputs, input_stats) for t in _tensors(output)]
             if input_stats and not any(checked) and self._room():
                 # nothing new to check, but its inputs' numbers may be needed to tell where an overflow came from
@@ -260,7 +262,7 @@ class OverflowLocator:
         def hook(grad: Tensor) -> None:
             if not self._recording or torch.compiler.is_compiling():
                 return
-            with torch._C.DisableTorchFunction():
+            with _bare():
                 grad = _real_dense(grad)
                 if grad.device.type in _EAGER_DEVICE_TYPES:
                     value = self._found.get(1) is None and _cpu_non_finite(grad)
@@ -340,6 +342,18 @@ class OverflowLocator:
         if len(self._records) >= _MAX_RECORDS:
             self._recording = False  # begin_step is not being called; stop rather than grow
         return self._recording
+
+
+@contextlib.contextmanager
+def _bare() -> Iterator[None]:
+    """No torch-function mode (the FP32 policy) and no Python dispatch mode (GEMM emulation) for the checks: they
+    would only add a Python call per op, and the FP32 policy would upcast."""
+    with torch._C.DisableTorchFunction():
+        if torch._C._len_torch_dispatch_stack():
+            with _disable_current_modes():
+                yield
+        else:
+            yield
 
 
 def _tensors(output: Any) -> Iterator[Tensor]:

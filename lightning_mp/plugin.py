@@ -278,7 +278,10 @@ class MixedPrecisionPlugin(Precision):
         if self.format.is_16bit:
             self._handles.append(self.policy.install(model, self._device_type))
         if self.locate_overflows:
-            self._locator = OverflowLocator(self._lightning_module or model)
+            # parameter gradients only in the backward: checking every activation gradient too costs ~1.5% more
+            # step time on the demo GPT (bf16, CPU); parameter-free modules are then named by the nearest
+            # parameter the overflow reaches
+            self._locator = OverflowLocator(self._lightning_module or model, input_grads=False)
             self._handles.append(self._locator)
         return model, optimizers, lr_schedulers
 

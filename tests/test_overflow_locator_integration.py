@@ -46,8 +46,17 @@ def test_a_backward_only_overflow_is_named_as_backward_and_the_run_goes_on():
     fit(Middle(GradAmplifier(2.0**20)), plugin, max_steps=4)  # every step overflows at 2^8 and below
     report = plugin.last_overflow
     assert plugin.skipped_steps == 4
-    assert (report.phase, report.module, report.module_type) == ("backward", "net.1", "GradAmplifier")
-    assert str(report).startswith("backward overflow in `net.1` (GradAmplifier)")
+    # the plugin checks parameter gradients in the backward: the amplifier has none, so the first parameter its
+    # inf reaches is named, the Linear before it; nothing after it (net.3's gradients stayed finite)
+    assert (report.phase, report.module, report.module_type) == ("backward", "net.0", "Linear")
+    assert str(report).startswith("backward overflow in `net.0` (Linear): gradient of ")
+
+
+def test_a_weight_gradient_that_overflows_names_its_own_module():
+    # 2^12 x 8 rows of a unit input: the last Linear's weight gradient passes 65504 first, nothing before it
+    plugin = MixedPrecisionPlugin("fp16", init_scale=2.0**20, max_scale=2.0**24)
+    fit(Middle(Scale(1.0)), plugin, max_steps=1)
+    assert (plugin.last_overflow.phase, plugin.last_overflow.module) == ("backward", "net.3")
 
 
 def test_a_clean_run_has_no_overflow_to_report(caplog):
