@@ -75,7 +75,7 @@ class MixedPrecisionPlugin(Precision):
             removes both (a non-finite gradient then reaches the weights, as in ``bf16-mixed``). With scaling on,
             the fused unscale checks anyway.
         locate_overflows: on every skipped step, name the first module whose forward output (or else whose
-            gradient in the backward) went non-finite (:class:`lightning_mp.overflow_locator.OverflowLocator`):
+            parameter gradient in the backward) went non-finite (:class:`lightning_mp.overflow_locator.OverflowLocator`):
             in a log line, in :attr:`last_overflow`, and in the ``FloatingPointError`` that stops a run. Checks stay
             on the device and are read only on a skipped step; ``False`` removes the hooks and their cost.
         gemm: how 16-bit matrix products (linear, matmul, bmm, convolutions, attention) run, forward and backward:
