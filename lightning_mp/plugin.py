@@ -75,9 +75,10 @@ class MixedPrecisionPlugin(Precision):
             removes both (a non-finite gradient then reaches the weights, as in ``bf16-mixed``). With scaling on,
             the fused unscale checks anyway.
         locate_overflows: on every skipped step, name the first module whose forward output (or else whose
-            parameter gradient in the backward) went non-finite (:class:`lightning_mp.overflow_locator.OverflowLocator`):
-            in a log line, in :attr:`last_overflow`, and in the ``FloatingPointError`` that stops a run. Checks stay
-            on the device and are read only on a skipped step; ``False`` removes the hooks and their cost.
+            parameter gradient in the backward) went non-finite
+            (:class:`lightning_mp.overflow_locator.OverflowLocator`): in a log line, in :attr:`last_overflow`, and in
+            the ``FloatingPointError`` that stops a run. Checks stay on the device and are read only on a skipped
+            step; ``False`` removes the hooks and their cost.
         gemm: how 16-bit matrix products (linear, matmul, bmm, convolutions, attention) run, forward and backward:
             ``"auto"`` (default) computes them as FP32 GEMMs on the 16-bit values, with 16-bit results, only where
             the device has no native 16-bit arithmetic (detected per format: many CPUs do bf16 but not fp16, CUDA

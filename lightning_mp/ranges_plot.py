@@ -36,7 +36,8 @@ class FormatBand:
     @classmethod
     def of(cls, name: str, dtype: torch.dtype) -> FormatBand:
         info = torch.finfo(dtype)
-        return cls(name, math.log2(info.smallest_normal * info.eps), math.log2(info.smallest_normal), math.log2(info.max))
+        subnormal = info.smallest_normal * info.eps
+        return cls(name, math.log2(subnormal), math.log2(info.smallest_normal), math.log2(info.max))
 
 
 # the formats drawn, top to bottom: the 16-bit training formats, then the two FP8 formats of FP8 training
