@@ -34,6 +34,7 @@ from lightning_mp.gradient_range_monitor import (
 )
 from lightning_mp.loss_scaler import DEFAULT_INIT_SCALE
 from lightning_mp.monitor_base import _logger_step, _PrecisionMonitor
+from lightning_mp.overflow_locator import _tensors
 
 _TAG_HISTOGRAM = "precision/activation_log2_magnitude"
 _TAG_OVERFLOW = "precision/activation_overflow_fraction"
@@ -352,15 +353,6 @@ def _picture_scale(trainer: pl.Trainer, plugin: Any) -> tuple[float, str]:
 
 def _encloses(outer: str, inner: str) -> bool:
     return outer != inner and (outer == "<model>" or inner.startswith(outer + "."))
-
-
-def _tensors(output: Any):
-    if isinstance(output, Tensor):
-        yield output
-    elif isinstance(output, (tuple, list)):
-        yield from (o for o in output if isinstance(o, Tensor))
-    elif isinstance(output, dict):
-        yield from (o for o in output.values() if isinstance(o, Tensor))
 
 
 __all__ = ["ActivationRangeMonitor"]
