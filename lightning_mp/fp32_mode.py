@@ -30,7 +30,7 @@ two autocast state toggles and an FP32 output that is twice the size of the
 16-bit one (autograd may save it for the backward pass, e.g. the softmax
 probabilities). These are the same copies and sizes CUDA autocast has for its
 FP32 ops. What that costs per step is measured, not written here:
-``examples/benchmark.py`` prints the default policy against an empty one.
+``benchmarks/benchmark.py`` prints the default policy against an empty one.
 Attention written with an explicit ``F.softmax`` pays for FP32 probabilities (CUDA
 autocast pays the same); they are rounded to 16 bits again for the following
 matmul, so ``DEFAULT_FP32_OPS - {"softmax"}`` is a reasonable trade there.

@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh            # from the repository root of a fresh copy
 #
 # Assumes torch, lightning, torchmetrics, tensorboard and pytest are installed; installs this package without its
-# dependencies. examples/compare_precisions.py also needs jsonargparse[signatures] (LightningCLI): if it is missing
+# dependencies. benchmarks/compare_precisions.py also needs jsonargparse[signatures] (LightningCLI): if it is missing
 # and there is no network, put its wheels (jsonargparse, docstring-parser, typeshed-client) in a directory and
 # point WHEELS at it. Every step has its own time limit; a step that fails or runs out is reported and the script
 # goes on. Results go to $OUT/gpu_check (or ./gpu_check_out) and are printed.
@@ -44,11 +44,11 @@ if ! "$PY" -c "import jsonargparse" 2>/dev/null && [ -n "${WHEELS:-}" ]; then
 fi
 
 step pytest_cuda 60 "$PY" -m pytest -m cuda -q -p no:cacheprovider
-step benchmark 60 "$PY" examples/benchmark.py --rounds 2 --steps 20 --warmup 5
+step benchmark 60 "$PY" benchmarks/benchmark.py --rounds 2 --steps 20 --warmup 5
 
 if "$PY" -c "import jsonargparse" 2>/dev/null; then
     # the same GPT and batch as the CPU table, long enough for the loss to move; 30 s per run at most
-    step compare_precisions 160 "$PY" examples/compare_precisions.py --max-steps 200 --timeout 30 \
+    step compare_precisions 160 "$PY" benchmarks/compare_precisions.py --max-steps 200 --timeout 30 \
         --output "$RESULTS/compare"
     [ -f "$RESULTS/compare/results.csv" ] && { echo; echo "--- results.csv ---"; cat "$RESULTS/compare/results.csv"; }
 else

@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("jsonargparse", reason="the examples use LightningCLI, which needs jsonargparse[signatures]")
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+BENCHMARKS = EXAMPLES.parent / "benchmarks"
 
 TINY = [
     "--trainer.max_steps", "3",
@@ -26,7 +27,8 @@ TINY = [
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(f"examples_{name}", EXAMPLES / f"{name}.py")
+    folder = BENCHMARKS if (BENCHMARKS / f"{name}.py").exists() else EXAMPLES
+    spec = importlib.util.spec_from_file_location(f"examples_{name}", folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,7 +1,7 @@
 """Training memory: lightning_mp against plain FP32 and Lightning's own mixed precision, one subprocess per row.
 
-    python examples/memory_benchmark.py                  # GPT 8x512 (~25M parameters), Adam, 4 steps
-    python examples/memory_benchmark.py --n-layer 2 --n-embd 128 --steps 2   # a quick look
+    python benchmarks/memory_benchmark.py                  # GPT 8x512 (~25M parameters), Adam, 4 steps
+    python benchmarks/memory_benchmark.py --n-layer 2 --n-embd 128 --steps 2   # a quick look
 
 Two figures per variant, both measured from outside the package:
 

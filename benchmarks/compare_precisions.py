@@ -1,9 +1,9 @@
 """Train the same GPT under each precision and print one table: lightning_mp's fp32/fp16/bf16 and, as reference
 rows, Lightning's own 16-mixed and bf16-mixed.
 
-    python examples/compare_precisions.py --max-steps 30 --output runs/compare
-    python examples/compare_precisions.py --max-steps 800 --output runs/long --runs fp32 fp16 bf16
-    python examples/compare_precisions.py --max-steps 200 --output runs/big -- --model.n_layer 6 --data.batch_size 64
+    python benchmarks/compare_precisions.py --max-steps 30 --output runs/compare
+    python benchmarks/compare_precisions.py --max-steps 800 --output runs/long --runs fp32 fp16 bf16
+    python benchmarks/compare_precisions.py --max-steps 200 --output runs/big -- --model.n_layer 6 --data.batch_size 64
 
 By default Lightning's own rows whose format has no native 16-bit GEMMs on this machine are left out (with a
 line saying why): Lightning's plugin has no GEMM emulation, so such a row runs 5-100x slower than all the others
@@ -36,9 +36,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-EXAMPLES = Path(__file__).resolve().parent
-TRAIN_GPT = EXAMPLES / "train_gpt.py"
-REPO_ROOT = EXAMPLES.parent
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TRAIN_GPT = REPO_ROOT / "examples" / "train_gpt.py"
 
 # run name -> train_gpt.py arguments. The names are the TensorBoard versions train_gpt.py picks for these runs.
 RUNS: dict[str, list[str]] = {

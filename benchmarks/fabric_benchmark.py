@@ -4,7 +4,7 @@ One process, the demo GPT, the same loop for every row (forward, FP32 loss, fabr
 optimizer.step, zero_grad). The rows are interleaved: each round runs a few steps of every row in turn, so a
 machine that speeds up or slows down (other jobs, turbo) shifts every row alike. Reported: the median step time.
 
-    python examples/fabric_benchmark.py --rounds 5 --steps 4
+    python benchmarks/fabric_benchmark.py --rounds 5 --steps 4
 """
 
 import argparse

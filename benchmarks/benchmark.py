@@ -1,7 +1,7 @@
 """Step time and model-state memory: lightning_mp against Lightning's own mixed precision, interleaved.
 
-    python examples/benchmark.py                 # the small GPT, CPU or CUDA, whichever is present
-    python examples/benchmark.py --rounds 6 --steps 10
+    python benchmarks/benchmark.py                 # the small GPT, CPU or CUDA, whichever is present
+    python benchmarks/benchmark.py --rounds 6 --steps 10
 
 Every variant trains the same GPT (4 layers, 256 wide, batch 16 x 128 bytes of stdlib text) for ``--steps``
 steps per round; the variants take turns within each round, so a noisy machine slows them alike. Each step is

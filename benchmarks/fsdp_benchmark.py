@@ -1,6 +1,6 @@
 """Step time under FSDP2 (Lightning's ModelParallelStrategy), with and without lightning_mp, interleaved.
 
-    python examples/fsdp_benchmark.py                # 2 gloo processes on the CPU (or 2 GPUs with --accelerator cuda)
+    python benchmarks/fsdp_benchmark.py                # 2 gloo processes on the CPU (or 2 GPUs with --accelerator cuda)
 
 The demo GPT is sharded with ``fully_shard`` per block and at the root, as a user writes it. Variants, taking turns
 round by round inside the same two processes: FSDP2 in FP32; FSDP2 with its own bf16 ``MixedPrecisionPolicy``
