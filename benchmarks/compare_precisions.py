@@ -9,12 +9,12 @@ By default Lightning's own rows whose format has no native 16-bit GEMMs on this 
 line saying why): Lightning's plugin has no GEMM emulation, so such a row runs 5-100x slower than all the others
 (fp16 on most CPUs, bf16 on CPUs without AVX512-BF16/AMX). Name it in ``--runs`` to include it anyway.
 
-Every run is ``python examples/train_gpt.py`` in its own subprocess (same seed, same batches, a fresh memory peak),
+Every run is ``python benchmarks/gpt_run.py`` in its own subprocess (same seed, same batches, a fresh memory peak),
 one after the other so they do not compete for the machine. Arguments after ``--`` go to every run unchanged.
 Under ``--output``:
 
 * ``tensorboard/<precision>``: each run's TensorBoard version (``tensorboard --logdir OUTPUT/tensorboard``);
-* ``summaries/<precision>.json``: train_gpt.py's ``--summary`` of each run; ``logs/<precision>.log``: its output;
+* ``summaries/<precision>.json``: gpt_run.py's ``--summary`` of each run; ``logs/<precision>.log``: its output;
 * ``results.md`` and ``results.csv``: the table, one row per run, starting with the precision name.
 
 Columns: the mean training loss over the last 10 steps; validation loss, perplexity and next-byte accuracy after
@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TRAIN_GPT = REPO_ROOT / "examples" / "train_gpt.py"
+TRAIN_GPT = REPO_ROOT / "benchmarks" / "gpt_run.py"
 
-# run name -> train_gpt.py arguments. The names are the TensorBoard versions train_gpt.py picks for these runs.
+# run name -> gpt_run.py arguments. The names are the TensorBoard versions gpt_run.py picks for these runs.
 RUNS: dict[str, list[str]] = {
     "fp32": ["--precision", "fp32"],
     "fp16": ["--precision", "fp16"],
@@ -127,7 +127,7 @@ def cpu_label() -> str:
 
 
 def child_env() -> dict[str, str]:
-    """train_gpt.py imports lightning_mp: let it find this checkout's copy even when the package is not installed."""
+    """gpt_run.py imports lightning_mp: let it find this checkout's copy even when the package is not installed."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     return env
@@ -136,7 +136,7 @@ def child_env() -> dict[str, str]:
 def run_one(
     name: str, tag: str, args: argparse.Namespace, extra: list[str]
 ) -> tuple[Optional[dict[str, Any]], str]:
-    """Run train_gpt.py once; return (its summary or None, a status word). ``tag`` names its files."""
+    """Run gpt_run.py once; return (its summary or None, a status word). ``tag`` names its files."""
     out = args.output
     summary_path = out / "summaries" / f"{tag}.json"
     log_path = out / "logs" / f"{tag}.log"
@@ -217,7 +217,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args, extra = parse_args(argv)
     args.output.mkdir(parents=True, exist_ok=True)
     print(
-        f"comparing {len(args.runs)} runs of examples/train_gpt.py, {args.max_steps} steps each"
+        f"comparing {len(args.runs)} runs of benchmarks/gpt_run.py, {args.max_steps} steps each"
         + (f", extra arguments: {' '.join(extra)}" if extra else "")
         + f"; output in {args.output}; {cpu_label()}",
         flush=True,

@@ -1,5 +1,6 @@
-"""The examples run end to end at a tiny size: train_gpt.py (command line, YAML config, errors) and
-compare_precisions.py (one table row per run). Each run trains a 1-layer, 32-wide GPT for 3 steps."""
+"""The examples and the GPT harness run end to end at a tiny size: examples/train_gpt.py (the copyable example),
+benchmarks/gpt_run.py (command line, YAML config, --native, --summary, errors) and compare_precisions.py (one table
+row per run). Each run trains a 1-layer, 32-wide GPT for 3 steps."""
 
 import csv
 import importlib.util
@@ -36,13 +37,13 @@ def _load(name):
 
 @pytest.fixture(scope="module")
 def train_gpt():
-    return _load("train_gpt")
+    return _load("gpt_run")
 
 
 @pytest.fixture
 def run_train_gpt(train_gpt, monkeypatch, tmp_path):
     """train_gpt.main in this process (LightningCLI parses the list as if it were the command line)."""
-    monkeypatch.setattr(sys, "argv", ["train_gpt.py"])
+    monkeypatch.setattr(sys, "argv", ["gpt_run.py"])
 
     def run(*args):
         return train_gpt.main([*TINY, "--log_dir", str(tmp_path / "runs"), *args])
@@ -63,12 +64,12 @@ def test_cli_precision_fp16_as_a_script(tmp_path):
     summary_path = tmp_path / "summary.json"
     path = os.pathsep.join(filter(None, [str(EXAMPLES.parent), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path)  # this checkout's lightning_mp, installed or not
-    cmd = [sys.executable, str(EXAMPLES / "train_gpt.py"), "--precision", "fp16", *TINY,
+    cmd = [sys.executable, str(BENCHMARKS / "gpt_run.py"), "--precision", "fp16", *TINY,
            "--log_dir", str(tmp_path / "runs"), "--summary", str(summary_path)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(summary_path.read_text())
-    train_gpt = _load("train_gpt")
+    train_gpt = _load("gpt_run")
     assert tuple(summary) == train_gpt.SUMMARY_KEYS
     assert summary["precision"] == "fp16"
     assert Path(summary["log_dir"]) == tmp_path / "runs" / "fp16"
@@ -116,7 +117,7 @@ def test_yaml_config_sets_the_plugin_and_its_init_args(run_train_gpt, tmp_path):
 
 @pytest.mark.parametrize("config", ["gpt_fp32.yaml", "gpt_fp16.yaml", "gpt_bf16.yaml"])
 def test_shipped_configs_parse(train_gpt, monkeypatch, capsys, config):
-    monkeypatch.setattr(sys, "argv", ["train_gpt.py"])
+    monkeypatch.setattr(sys, "argv", ["gpt_run.py"])
     with pytest.raises(SystemExit) as exit_info:
         train_gpt.TrainGPTCLI(["--config", str(EXAMPLES / "configs" / config), "--print_config"])
     assert exit_info.value.code == 0
@@ -174,3 +175,32 @@ def test_compare_precisions_rejects_unknown_run(tmp_path, capsys):
     with pytest.raises(SystemExit):
         compare.main(["--output", str(tmp_path), "--runs", "fp8"])
     assert "--runs: 'fp8' not known" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- the copyable example
+def run_example(tmp_path, *args):
+    """examples/train_gpt.py as a user runs it, in its own process and working directory."""
+    path = os.pathsep.join(filter(None, [str(EXAMPLES.parent), os.environ.get("PYTHONPATH")]))
+    cmd = [sys.executable, str(EXAMPLES / "train_gpt.py"), *args, *TINY]  # a --config first, as LightningCLI wants
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=180,
+                          env=dict(os.environ, PYTHONPATH=path))  # fmt: skip
+
+
+def test_the_example_a_user_copies_is_short():
+    assert len((EXAMPLES / "train_gpt.py").read_text().splitlines()) < 100
+
+
+@pytest.mark.parametrize("args, precision", [((), "bf16"), (("--precision", "fp16"), "fp16"),
+                                             (("--config", str(EXAMPLES / "configs" / "gpt_fp16.yaml")), "fp16")])
+def test_example_trains_and_logs_the_precision_tags_to_tensorboard(tmp_path, args, precision):
+    proc = run_example(tmp_path, *args)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (version,) = (tmp_path / "runs" / "gpt" / precision).iterdir()
+    scalars, histograms = _scalar_tags(version)
+    assert {"precision/loss_scale", "precision/skipped_steps", "precision/grad_underflow_fraction"} <= scalars
+    assert "precision/grad_log2_magnitude" in histograms
+
+
+def test_example_bad_precision_names_the_allowed_ones(tmp_path):
+    proc = run_example(tmp_path, "--precision", "fp8")
+    assert proc.returncode != 0 and "precision='fp8' is not supported. Allowed:" in proc.stderr
