@@ -132,6 +132,11 @@ def main():
         result.update(scale=plugin.loss_scale, skipped=plugin.skipped_steps, scaler=plugin.scaler.state_dict())
     torch.save(result, os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
 
+    if torch.distributed.is_initialized():
+        # gloo's threads must stop before the interpreter does: left to exit, they sometimes abort the process
+        # ("terminate called without an active exception") after the results are written
+        torch.distributed.destroy_process_group()
+
 
 if __name__ == "__main__":
     main()

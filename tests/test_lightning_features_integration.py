@@ -258,6 +258,14 @@ def test_compiled_submodule_compiles_once_and_keeps_the_policy():
     assert 1 <= len(graphs) <= 2
 
 
+class StopGloo(Callback):
+    """In each ddp_spawn worker, after fit: gloo's threads left to the interpreter's exit sometimes abort it."""
+
+    def teardown(self, trainer, pl_module, stage):
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 @pytest.mark.skipif(os.name != "posix", reason="two gloo processes")
 def test_ddp_spawn_pickles_the_plugin_and_trains_on_two_processes(tmp_path):
     plugin = MixedPrecisionPlugin("bf16")
@@ -265,7 +273,8 @@ def test_ddp_spawn_pickles_the_plugin_and_trains_on_two_processes(tmp_path):
     model = Net()
     start = flat(model)
     trainer = L.Trainer(
-        plugins=[plugin], strategy="ddp_spawn", max_steps=2, **trainer_kwargs(devices=2, deterministic=False)
+        plugins=[plugin], strategy="ddp_spawn", max_steps=2, callbacks=[StopGloo()],
+        **trainer_kwargs(devices=2, deterministic=False),
     )
     trainer.fit(model, data())
     # the workers' trained FP32 weights come back to this process
