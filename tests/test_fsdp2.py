@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.sharding import is_sharded
+from tests.test_ddp import exit_abort_after_results
 
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
@@ -24,8 +25,9 @@ def launch(out, *args, devices=2, ok=True):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     if not ok:
         return proc
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0 or exit_abort_after_results(proc, out, devices), proc.stderr[-3000:]
     return [torch.load(out / f"rank{r}.pt") for r in range(devices)]
+
 
 
 def same_state(a, b):

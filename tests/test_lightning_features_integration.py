@@ -270,13 +270,19 @@ class StopGloo(Callback):
 def test_ddp_spawn_pickles_the_plugin_and_trains_on_two_processes(tmp_path):
     plugin = MixedPrecisionPlugin("bf16")
     pickle.dumps(plugin)  # before: PicklingError on the default policy (TensorBase.pow)
-    model = Net()
-    start = flat(model)
-    trainer = L.Trainer(
-        plugins=[plugin], strategy="ddp_spawn", max_steps=2, callbacks=[StopGloo()],
-        **trainer_kwargs(devices=2, deterministic=False),
-    )
-    trainer.fit(model, data())
+    for attempt in range(2):
+        model = Net()
+        start = flat(model)
+        trainer = L.Trainer(
+            plugins=[MixedPrecisionPlugin("bf16")], strategy="ddp_spawn", max_steps=2, callbacks=[StopGloo()],
+            **trainer_kwargs(devices=2, deterministic=False),
+        )
+        try:
+            trainer.fit(model, data())
+            break
+        except torch.multiprocessing.ProcessExitedException as err:  # gloo's exit-time abort: one more try
+            if attempt or "SIGABRT" not in str(err):
+                raise
     # the workers' trained FP32 weights come back to this process
     assert not torch.equal(flat(model), start) and model.head.weight.dtype == torch.float32
 
