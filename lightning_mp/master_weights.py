@@ -53,6 +53,7 @@ class MasterWeights:
         # while swapped in: per converted param, its FP32 value, its FP32 gradient (or None), and the identity and
         # version of its 16-bit copy (to notice writes during the forward/backward)
         self._fp32: list[Tensor] | None = None
+        self._fp32_index: dict[int, Tensor] | None = None
         self._fp32_grads: list[Tensor | None] = []
         self._marks: list[tuple[int, int]] = []
         # parameters whose FP32 gradients an optimizer step has consumed (applied or skipped): dropped at the next
@@ -164,7 +165,7 @@ class MasterWeights:
                 acc.append(grad)
                 acc_g.append(g16)
                 p.grad = grad
-        self._fp32, self._fp32_grads, self._marks = None, [], []
+        self._fp32, self._fp32_grads, self._marks, self._fp32_index = None, [], [], None
         for master, value in written:
             if master.data_ptr() != value.data_ptr():
                 master.copy_(value)
@@ -183,11 +184,11 @@ class MasterWeights:
     # ------------------------------------------------------------------ access and teardown
     def fp32_value(self, param: nn.Parameter) -> Tensor:
         """The FP32 value of a parameter, also while the 16-bit copies are swapped in."""
-        if self._fp32 is not None:
-            for p, master in zip(self.params, self._fp32):
-                if p is param:
-                    return master
-        return param.detach()
+        if self._fp32 is None:
+            return param.detach()
+        if self._fp32_index is None:  # built on first use per swap-in, so a walk over all parameters stays O(n)
+            self._fp32_index = {id(p): master for p, master in zip(self.params, self._fp32)}
+        return self._fp32_index.get(id(param), param.detach())
 
     def release(self) -> None:
         """Teardown: the model is already FP32 between steps; a run that stopped mid-step gets its values back."""
