@@ -8,53 +8,30 @@ bf16) run answers "would FP16 overflow in the forward, and where?" before any FP
 Cost: nothing on steps that are not sampled (no hooks are installed). On a sampled step, a few elementwise passes
 over each distinct output tensor (a container that returns its last child's tensor is counted once), queued on the
 device; everything comes back in one transfer at the end of that training step (one host sync per sampled step).
+The measuring itself is :mod:`lightning_mp.activation_ranges`; this module is the Lightning callback around it.
 """
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp import ranges_plot
-from lightning_mp.gradient_range_monitor import (
-    NUM_BUCKETS,
-    REFERENCE_FORMAT,
-    _measure_on_device,
-    _unpack,
-    histogram_kwargs,
-    reference_scale,
-)
+from lightning_mp.activation_ranges import _ActivationRecorder, _overflow_starts, _Sample
+from lightning_mp.log2_histogram import REFERENCE_FORMAT, histogram_kwargs, reference_scale
 from lightning_mp.loss_scaler import DEFAULT_INIT_SCALE
 from lightning_mp.monitor_base import _logger_step, _PrecisionMonitor
-from lightning_mp.overflow_locator import _tensors
+from lightning_mp.validation import check_bool, check_int
 
 _TAG_HISTOGRAM = "precision/activation_log2_magnitude"
 _TAG_OVERFLOW = "precision/activation_overflow_fraction"
 _TAG_UNDERFLOW = "precision/activation_underflow_fraction"
 _TAG_AMAX = "precision/activation_amax"
 _TAG_IMAGE = "precision/ranges_vs_formats"
-
-
-@dataclass
-class _Sample:
-    """One sampled step's measurements, still on the device."""
-
-    step: int
-    packed: Tensor | None = None  # [zeros, underflow, not_overflow, NUM_BUCKETS counts] over distinct outputs
-    numel: int = 0
-    modules: dict[str, int] = field(default_factory=dict)  # name -> position in `amax` (first-call order)
-    amax: list[Tensor] = field(default_factory=list)  # per module: largest |output| (0-dim, on the device)
-    input_amax: list[Tensor | None] = field(default_factory=list)  # per module: largest |input| (None: no input)
-    grads: Tensor | None = None  # gradient counts at scale 1, for the picture
-    grad_numel: int = 0
 
 
 class ActivationRangeMonitor(_PrecisionMonitor):
@@ -107,24 +84,17 @@ class ActivationRangeMonitor(_PrecisionMonitor):
     _requires_plugin = False
 
     def __init__(self, every_n_steps: int = 50, per_module: bool = False, log_image: bool = True) -> None:
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(
-                f"every_n_steps={every_n_steps!r} is not allowed: use an integer >= 1 (measure every that many "
-                "optimizer steps)."
-            )
-        for name, value in (("per_module", per_module), ("log_image", log_image)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name}={value!r} is not allowed: use True or False.")
+        check_int("every_n_steps", every_n_steps, 1, why="measure every that many optimizer steps")
+        check_bool("per_module", per_module)
+        check_bool("log_image", log_image)
         super().__init__()
         self.every_n_steps = every_n_steps
         self.per_module = per_module
         self.log_image = log_image
         self._offenders: list[str] = []
-        self._handles: list[Any] = []
+        self._recorder: _ActivationRecorder | None = None  # hooks on the model, on a sampled step's first micro-batch
         self._sample: _Sample | None = None
         self._last_sampled: int | None = None
-        self._known: dict[int, tuple[weakref.ref, int, Tensor]] = {}
-        self._pending_inputs: list[Tensor | None] = []  # largest |input| of the forwards in flight (modules nest)
         self._warned_offenders = False
         self._warned_histogram = False
         self._warned_image = False
@@ -150,10 +120,8 @@ class ActivationRangeMonitor(_PrecisionMonitor):
             return
         self._last_sampled = step
         self._sample = _Sample(step)
-        self._known.clear()
-        for name, module in pl_module.named_modules():
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook))
-            self._handles.append(module.register_forward_hook(self._post_hook(name or "<model>")))
+        self._remove_hooks()
+        self._recorder = _ActivationRecorder(pl_module, self._sample)
 
     @override
     def on_before_optimizer_step(
@@ -167,9 +135,7 @@ class ActivationRangeMonitor(_PrecisionMonitor):
         else:  # Lightning's own precision unscales before this hook too
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:
-            packed = _measure_on_device(grads, 1.0, per_tensor=False)
-            sample.grads = packed if sample.grads is None else sample.grads + packed.to(sample.grads.device)
-            sample.grad_numel += sum(g.numel() for g in grads)
+            sample.add_grads(grads)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -192,102 +158,19 @@ class ActivationRangeMonitor(_PrecisionMonitor):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._remove_hooks()
 
-    # ------------------------------------------------------------------ hooks of the modules
-    def _pre_hook(self, module: nn.Module, args: tuple) -> None:
-        if self._sample is None or not torch.is_grad_enabled():
-            return None
-        with torch.no_grad(), torch._C.DisableTorchFunction():
-            amaxes = [self._amax_of(a) for a in args if isinstance(a, Tensor) and a.is_floating_point()]
-        self._pending_inputs.append(torch.stack(amaxes).amax() if amaxes else None)
-        return None
-
-    def _post_hook(self, name: str):
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            sample = self._sample
-            if sample is None or not torch.is_grad_enabled() or not self._pending_inputs:
-                return
-            input_amax = self._pending_inputs.pop()
-            with torch.no_grad(), torch._C.DisableTorchFunction():
-                new, amaxes = [], []
-                for t in _tensors(output):
-                    if not t.is_floating_point():
-                        continue
-                    seen = self._known.get(id(t))
-                    if seen is not None and seen[0]() is t and seen[1] == t._version:
-                        amaxes.append(seen[2])
-                        continue
-                    amaxes.append(self._amax_of(t))
-                    new.append(t)
-                if not amaxes:
-                    return
-                for t in new:
-                    packed = _measure_on_device([t], 1.0, per_tensor=False)
-                    sample.packed = packed if sample.packed is None else sample.packed + packed.to(sample.packed.device)
-                    sample.numel += t.numel()
-                amax = torch.stack(amaxes).amax()
-            if name in sample.modules:  # called again (a shared module): keep the largest
-                i = sample.modules[name]
-                sample.amax[i] = torch.maximum(sample.amax[i], amax.to(sample.amax[i].device))
-                if sample.input_amax[i] is not None and input_amax is not None:
-                    sample.input_amax[i] = torch.maximum(sample.input_amax[i], input_amax.to(sample.amax[i].device))
-                return
-            sample.modules[name] = len(sample.amax)
-            sample.amax.append(amax)
-            sample.input_amax.append(input_amax)
-
-        return hook
-
-    def _amax_of(self, t: Tensor) -> Tensor:
-        """Largest |t| as a 0-dim FP32 tensor (inf for inf or NaN), reused for a tensor already reduced this step."""
-        seen = self._known.get(id(t))
-        if seen is not None and seen[0]() is t and seen[1] == t._version:
-            return seen[2]
-        if t.numel() == 0:
-            amax = torch.zeros((), device=t.device)
-        else:
-            lo, hi = torch.aminmax(t.detach())
-            amax = torch.maximum(-lo.float(), hi.float()).nan_to_num(nan=float("inf"))
-        self._known[id(t)] = (weakref.ref(t), t._version, amax)
-        return amax
-
     def _remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._pending_inputs.clear()
-        self._known.clear()
+        if self._recorder is not None:
+            self._recorder.remove()
+            self._recorder = None
 
     # ------------------------------------------------------------------ logging
     def _flush(self, trainer: pl.Trainer) -> None:
         sample, self._sample = self._sample, None
         if sample is None or sample.packed is None:
             return
-        device = sample.packed.device
-        n = len(sample.amax)
-        has_input = [a is not None for a in sample.input_amax]
-        parts = [
-            sample.packed.to(device),
-            torch.stack([a.to(device) for a in sample.amax]).double(),
-            torch.stack([(a if a is not None else torch.zeros(())).to(device) for a in sample.input_amax]).double(),
-        ]
-        if sample.grads is not None:
-            parts.append(sample.grads.to(device))
-        values = torch.cat(parts).tolist()  # the one host sync of a sampled step
-        size = 3 + NUM_BUCKETS
-        acts = _unpack(values[:size], sample.numel, 1)
-        amax = values[size : size + n]
-        input_amax = values[size + n : size + 2 * n]
-        grads = _unpack(values[size + 2 * n :], sample.grad_numel, 1) if sample.grads is not None else None
-
-        names = list(sample.modules)
+        values = sample.read()  # the one host sync of a sampled step
         limit = REFERENCE_FORMAT.max
-        starts = [
-            name
-            for name, out, inp, has in zip(names, amax, input_amax, has_input)
-            if out > limit and (not has or inp <= limit)
-        ]
-        # a container around an offender is not one itself: the submodule says where, more precisely
-        new = [n for n in starts if not any(_encloses(n, d) for d in starts) and n not in self._offenders]
+        new = [n for n in _overflow_starts(values) if n not in self._offenders]
         self._offenders.extend(new)
         if self._offenders and not self._warned_offenders:
             self._warned_offenders = True
@@ -300,9 +183,10 @@ class ActivationRangeMonitor(_PrecisionMonitor):
                 "or train in precision='bf16'."
             )
 
+        acts, grads = values.acts, values.grads
         metrics = {_TAG_OVERFLOW: acts.overflow_fraction, _TAG_UNDERFLOW: acts.underflow_fraction}
         if self.per_module:
-            metrics.update({f"{_TAG_AMAX}/{name}": value for name, value in zip(names, amax)})
+            metrics.update({f"{_TAG_AMAX}/{name}": value for name, value in zip(values.names, values.amax)})
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=sample.step)
 
@@ -349,10 +233,6 @@ def _picture_scale(trainer: pl.Trainer, plugin: Any) -> tuple[float, str]:
     if scaler is not None and hasattr(scaler, "get_scale") and scaler.is_enabled():
         return float(scaler.get_scale()), "loss scale"
     return DEFAULT_INIT_SCALE, "FP16's starting scale"
-
-
-def _encloses(outer: str, inner: str) -> bool:
-    return outer != inner and (outer == "<model>" or inner.startswith(outer + "."))
 
 
 __all__ = ["ActivationRangeMonitor"]

@@ -25,8 +25,9 @@ Users edit the lists with ordinary set/tuple operations::
 
 The pieces: :mod:`lightning_mp.fp32_ops` (the default lists and their reasons), :mod:`lightning_mp.op_names`
 (what a name covers), :mod:`lightning_mp.fp32_mode` (the op mode on the hot path),
-:mod:`lightning_mp.fp32_modules` (module hooks). This module is the policy object over them; the public names
-of all of them are importable from here.
+:mod:`lightning_mp.fp32_modules` (module hooks), :mod:`lightning_mp.fp32_describe` (the Markdown of
+``describe()``). This module is the policy object over them; the public names of all of them are importable from
+here.
 """
 
 from __future__ import annotations
@@ -38,14 +39,11 @@ from typing import Any, Union
 import torch
 import torch.nn as nn
 
+from lightning_mp.fp32_describe import describe_policy
 from lightning_mp.fp32_mode import _Fp32OpMode
 from lightning_mp.fp32_modules import Fp32ModuleHandle, _Fp32ForwardHooks
 from lightning_mp.fp32_ops import (
     _DTYPE_OPS,
-    _GROUP_NOTES,
-    _OP_GROUP_OF,
-    _OP_GROUPS,
-    _WHY_NORM_LAYER,
     DEFAULT_FP32_MODULES,
     DEFAULT_FP32_OPS,
     EMBEDDING_MODULES,
@@ -236,39 +234,7 @@ class Fp32Policy:
 
     def describe(self) -> str:
         """Markdown tables of the FP32 ops and modules (for printing or a README)."""
-        lines = [
-            "#### Ops computed in FP32",
-            "",
-            "16-bit floating inputs are upcast, autocast is off for the call, the result is FP32 "
-            "(batch norm with FP32 weight and statistics takes a 16-bit input as it is and computes its "
-            "statistics in FP32 inside the kernel). `F` is `torch.nn.functional`.",
-            "",
-        ]
-        if self._aliases:
-            groups: dict[str, list[str]] = {}
-            for name in sorted(self._aliases):
-                groups.setdefault(_OP_GROUP_OF.get(name, "user-added"), []).append(name)
-            ordered = [g for g, _, _ in _OP_GROUPS if g in groups] + (["user-added"] if "user-added" in groups else [])
-            lines += ["| Group | Ops | Why FP32 |", "|---|---|---|"]
-            for group in ordered:
-                names = ", ".join(f"`{n}`" for n in groups[group])
-                lines.append(f"| {group} | {names} | {_GROUP_NOTES.get(group, 'selected by the user')} |")
-            lines += ["", "| Op | Intercepted callables |", "|---|---|"]
-            for group in ordered:
-                for name in groups[group]:
-                    callables = ", ".join(f"`{label}`" for label, _ in self._aliases[name])
-                    lines.append(f"| `{name}` | {callables} |")
-        else:
-            lines.append("_None: every op follows autocast's own lists._")
-        lines += ["", "#### Modules kept in FP32 (parameters and forward)", ""]
-        if self._modules:
-            lines += ["| Module class | Covers | Why FP32 |", "|---|---|---|"]
-            for cls in self._modules:
-                covers = ", ".join(_public_subclasses(cls)) or cls.__name__
-                lines.append(f"| `{_class_path(cls)}` | {covers} | {_module_reason(cls)} |")
-        else:
-            lines.append("_None: every parameter follows the precision setting._")
-        return "\n".join(lines)
+        return describe_policy(self._aliases, self._modules)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Fp32Policy):
@@ -282,35 +248,3 @@ class Fp32Policy:
         ops = "DEFAULT_FP32_OPS" if self._ops == DEFAULT_FP32_OPS else f"<{len(self._ops)} ops>"
         mods = ", ".join(cls.__name__ for cls in self._modules)
         return f"Fp32Policy(ops={ops}, modules=({mods}))"
-
-
-def _class_path(cls: type) -> str:
-    if getattr(nn, cls.__name__, None) is cls:
-        return f"torch.nn.{cls.__name__}"
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _public_subclasses(cls: type) -> list[str]:
-    """Public torch.nn classes covered by an isinstance check against ``cls``."""
-    return [
-        name
-        for name, obj in vars(nn).items()
-        if isinstance(obj, type) and issubclass(obj, cls) and not name.startswith("_")
-        and not (name.endswith("Base") and obj is not cls)
-    ]
-
-
-def _module_reason(cls: type) -> str:
-    if issubclass(cls, (nn.RNNBase, nn.RNNCellBase)):
-        return (
-            "state fed back every step compounds 16-bit rounding; under fp16 autocast on CPU "
-            "oneDNN's LSTM fails on FP32 inputs; costs the 16-bit speed-up of the recurrence"
-        )
-    if cls in NORM_MODULES or any(issubclass(cls, norm) for norm in NORM_MODULES):
-        return _WHY_NORM_LAYER + "; few or no parameters, so FP32 weights are nearly free"
-    if issubclass(cls, EMBEDDING_MODULES):
-        return (
-            "a lookup, no arithmetic to speed up; an FP32 table keeps the residual stream it starts in FP32 "
-            "(a 16-bit one rounds every residual add)"
-        )
-    return "selected by the user"

@@ -38,23 +38,23 @@ check is a plain ``sum`` (half the work of ``aminmax`` there), read at once; a n
 ``aminmax`` (an FP16 row sum can overflow where no element does) and the first one found is kept with its input's
 magnitude. The hooks run with torch-function and Python dispatch modes off, so neither the FP32 op policy nor GEMM
 emulation upcasts or slows them. Module inputs are read from positional arguments only.
+
+This module is the hooks and their bookkeeping; :mod:`lightning_mp.overflow_report` is the report and how the
+device checks are read back, :mod:`lightning_mp.finite_checks` the checks themselves.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import weakref
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
-from torch.utils._python_dispatch import _disable_current_modes
 
-PHASES = ("forward", "backward")
+from lightning_mp.finite_checks import _bare, _cpu_non_finite, _host_amax, _real_dense, _tensors
+from lightning_mp.overflow_report import PHASES, OverflowReport, _first_report, _Found, _Record
 
 # A step that never calls begin_step (a forgotten call in a custom loop) must not grow without bound: past this many
 # device records the locator stops recording until the next begin_step. A GPT step makes a few hundred.
@@ -63,57 +63,6 @@ _MAX_RECORDS = 200_000
 # Devices whose checks are read at once (no asynchronous queue, so reading costs no sync). Everything else is
 # checked with device-side aminmax and read back only by report(). Tests empty this to run the device path on CPU.
 _EAGER_DEVICE_TYPES = frozenset({"cpu"})
-
-
-@dataclass(frozen=True)
-class OverflowReport:
-    """Where a step first went non-finite.
-
-    Attributes:
-        phase: ``"forward"`` (a module's output) or ``"backward"`` (a gradient its backward produced).
-        module: the module's qualified name in the model (``""`` is the model itself).
-        module_type: the module's class name.
-        tensor: what went non-finite: ``"output"``, ``"input gradient"``, ``"gradient of <parameter>"``, or
-            ``"own code"``: a forward overflow in the module's own code between its submodules (the first
-            submodule output that went non-finite had a non-finite input, made by this module's ``forward``).
-        value: ``"inf"``, ``"-inf"`` or ``"nan"``.
-        input_amax: forward overflows: the largest magnitude at the module's floating inputs (finite: the overflow
-            happened inside it). ``None`` for backward overflows and for modules without a floating input.
-    """
-
-    phase: str
-    module: str
-    module_type: str
-    tensor: str
-    value: str
-    input_amax: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.phase not in PHASES:
-            raise ValueError(f"phase={self.phase!r} is not allowed: use one of {PHASES}.")
-
-    @property
-    def name(self) -> str:
-        """The module's name, ``<model>`` for the model itself."""
-        return self.module or "<model>"
-
-    def __str__(self) -> str:
-        head = f"{self.phase} overflow in `{self.name}` ({self.module_type})"
-        if self.tensor == "own code":
-            text = f"{head}: its own forward code, between its submodules, made a {self.value}"
-        else:
-            text = f"{head}: {self.tensor} went {self.value}"
-        if self.input_amax is None:
-            return text
-        if math.isfinite(self.input_amax):
-            return f"{text}; largest input magnitude {self.input_amax:.4g}"
-        return f"{text}; its input was already non-finite"
-
-
-@dataclass(frozen=True)
-class _Found:
-    seq: int
-    report: OverflowReport
 
 
 class OverflowLocator:
@@ -141,7 +90,7 @@ class OverflowLocator:
         self._types: list[str] = []
         self._handles: list[Any] = []
         # device checks, read only by report(): (seq, module index, phase index, tensor, [min, max], input stats)
-        self._records: list[tuple[int, int, int, str, list[Tensor], list[Tensor] | None]] = []
+        self._records: list[_Record] = []
         self._found: dict[int, _Found] = {}  # phase index -> first CPU culprit (CPU checks are read at once)
         self._calls: list[tuple[int, tuple, list[Tensor] | None]] = []  # in-flight forwards: (index, args, stats)
         self._known: dict[int, tuple[weakref.ref, int, list[Tensor] | None]] = {}  # id -> (ref, _version, stats)
@@ -173,34 +122,7 @@ class OverflowLocator:
 
         Reads the device checks back in one transfer per device (a host sync): call it when a step was skipped.
         """
-        records = self._records
-        flat = [t for rec in records for t in rec[4]]
-        spans: list[tuple[int, int]] = []
-        for rec in records:
-            start = len(flat)
-            flat.extend(rec[5] or ())
-            spans.append((start, len(flat)))
-        values = _to_host(flat)
-        for phase in (0, 1):
-            best = self._found.get(phase)
-            offset = 0
-            for pos, (seq, module, rec_phase, tensor, stats, inputs) in enumerate(records):
-                vals = values[offset : offset + len(stats)]
-                offset += len(stats)
-                if rec_phase != phase or (best is not None and best.seq < seq):
-                    continue
-                value = _non_finite(vals)
-                if value is None:
-                    continue
-                amax = _amax(values[spans[pos][0] : spans[pos][1]]) if inputs else None
-                report = OverflowReport(PHASES[phase], self._names[module], self._types[module], tensor, value, amax)
-                if phase == 0 and amax is not None and not math.isfinite(amax):
-                    report = self._own_code_report(pos, value, values, spans) or report
-                best = _Found(seq, report)
-                break
-            if best is not None:
-                return best.report
-        return None
+        return _first_report(self._records, self._found, self._names, self._types)
 
     def remove(self) -> None:
         """Take every hook off the model; the locator checks nothing afterwards."""
@@ -318,23 +240,6 @@ class OverflowLocator:
         self._known[id(t)] = (weakref.ref(t), t._version, stats)
         return stats
 
-    def _own_code_report(self, pos: int, value: str, values: list[float], spans) -> OverflowReport | None:
-        """Device path of the 'own code' case: the enclosing module (by name) whose recorded input was finite."""
-        names = self._names
-        index = self._records[pos][1]
-        while names[index]:
-            parent = names[index].rpartition(".")[0]
-            if parent not in names:
-                return None
-            index = names.index(parent)
-            later = next((p for p in range(pos + 1, len(self._records)) if self._records[p][1:3] == (index, 0)), None)
-            if later is None:
-                continue  # no record of that call (not run under autograd): look further out
-            amax = _amax(values[spans[later][0] : spans[later][1]])
-            if amax is None or math.isfinite(amax):
-                return OverflowReport("forward", names[index], self._types[index], "own code", value, amax)
-        return None
-
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq
@@ -345,83 +250,4 @@ class OverflowLocator:
         return self._recording
 
 
-@contextlib.contextmanager
-def _bare() -> Iterator[None]:
-    """No torch-function mode (the FP32 policy) and no Python dispatch mode (GEMM emulation) for the checks: they
-    would only add a Python call per op, and the FP32 policy would upcast."""
-    with torch._C.DisableTorchFunction():
-        if torch._C._len_torch_dispatch_stack():
-            with _disable_current_modes():
-                yield
-        else:
-            yield
-
-
-def _tensors(output: Any) -> Iterator[Tensor]:
-    """The tensors of a module's output: a tensor, or one level of tuple / list / dict (what modules return)."""
-    if isinstance(output, Tensor):
-        yield output
-    elif isinstance(output, (tuple, list)):
-        yield from (o for o in output if isinstance(o, Tensor))
-    elif isinstance(output, dict):
-        yield from (o for o in output.values() if isinstance(o, Tensor))
-
-
-def _real_dense(t: Tensor) -> Tensor:
-    """What to check of a gradient: a sparse one's values, a complex one as real pairs (as GradScaler does)."""
-    if t.is_sparse:
-        t = t._values()
-    return torch.view_as_real(t) if t.is_complex() else t
-
-
-def _cpu_non_finite(t: Tensor) -> str | None:
-    """'nan' / 'inf' / '-inf' if the CPU tensor ``t`` holds one, else None; usually one ``sum`` pass.
-
-    inf and NaN propagate through a sum (inf + -inf is NaN), so a finite sum proves every element finite. The sum
-    accumulates in FP32 on the CPU but an FP16 result is rounded to FP16, where a finite tensor's sum can pass
-    65504: FP16 is summed along its last dimension first (rows stay small), and any non-finite sum is confirmed
-    element by element with ``aminmax`` before it counts.
-    """
-    t = t.detach()
-    if t.numel() == 0:
-        return None
-    total = t.sum(-1).sum(dtype=torch.float32) if t.dtype == torch.float16 and t.dim() else t.sum()
-    if math.isfinite(total.item()):
-        return None
-    return _non_finite([float(v) for v in torch.aminmax(t)])
-
-
-def _host_amax(t: Tensor) -> float:
-    lo, hi = (float(v) for v in torch.aminmax(t.detach())) if t.numel() else (0.0, 0.0)
-    return _amax([lo, hi])
-
-
-def _to_host(tensors: list[Tensor]) -> list[float]:
-    """0-dim tensors as Python floats: one stack and one transfer per device and dtype."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    out = [0.0] * len(tensors)
-    for idx in groups.values():
-        for i, v in zip(idx, torch.stack([tensors[i] for i in idx]).double().cpu().tolist()):
-            out[i] = v
-    return out
-
-
-def _amax(values: list[float]) -> float | None:
-    """Largest magnitude among mins and maxes (inf when one is NaN), ``None`` for no values."""
-    return max((math.inf if math.isnan(v) else abs(v)) for v in values) if values else None
-
-
-def _non_finite(values: list[float]) -> str | None:
-    """'nan', 'inf' or '-inf' if any of these mins/maxes is non-finite (NaN first: it says most), else None."""
-    if any(math.isnan(v) for v in values):
-        return "nan"
-    if any(v == math.inf for v in values):
-        return "inf"
-    if any(v == -math.inf for v in values):
-        return "-inf"
-    return None
-
-
-__all__ = ["OverflowLocator", "OverflowReport"]
+__all__ = ["OverflowLocator", "OverflowReport", "PHASES"]  # the last two live in overflow_report

@@ -5,7 +5,6 @@ import warnings
 
 import lightning as L
 import pytest
-import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from PIL import Image
 from torch import nn

@@ -238,11 +238,6 @@ def test_input_grads_must_be_a_bool(bad):
         OverflowLocator(nn.Linear(2, 2), input_grads=bad)
 
 
-def test_report_phase_is_checked():
-    with pytest.raises(ValueError, match=r"phase='sideways' is not allowed.*forward.*backward"):
-        OverflowReport("sideways", "a", "Linear", "output", "inf")
-
-
 # ---------------------------------------------------------------------------------------------- CUDA
 @cuda
 @pytest.mark.cuda

@@ -1,34 +1,20 @@
 """The Trainer monitors' ``precision/...`` tags from a Fabric loop, logged at every ``optimizer.step()``.
 
 The loss scale and the skip count are Python numbers the plugin holds on the host: logging them costs no device
-work and no sync. The gradient range is measured by :mod:`lightning_mp.gradient_range_monitor`'s code on the
-sampled steps only, queued on the device before the step and read back after it (one host sync per sampled step).
+work and no sync. The gradient range is counted by :mod:`lightning_mp.log2_histogram` (as in the Trainer's monitor) on
+the sampled steps only, queued on the device before the step and read back after it (one host sync per sampled step).
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
-from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mp.fabric.plugin import MixedPrecisionPlugin
-from lightning_mp.gradient_range_monitor import (
-    _TAG_HISTOGRAM,
-    _measure_on_device,
-    _unpack,
-    histogram_kwargs,
-    reference_scale,
-)
-
-
-@dataclass
-class _Pending:
-    names: list[str]
-    numel: int
-    packed: Tensor  # on the device, not yet read back
+from lightning_mp.gradient_range_monitor import _TAG_HISTOGRAM
+from lightning_mp.log2_histogram import _measure_on_device, _Pending, _unpack, histogram_kwargs, reference_scale
 
 
 class PrecisionMonitor:

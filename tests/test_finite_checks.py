@@ -1,0 +1,63 @@
+"""The locator's tensor checks on their own: which tensors, which mode, and the inf/NaN/magnitude numerics."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_mp.finite_checks import _amax, _bare, _cpu_non_finite, _non_finite, _real_dense, _tensors, _to_host
+from lightning_mp.fp32_policy import Fp32Policy
+
+
+@pytest.mark.parametrize(
+    "values, expected",
+    [([1.0, 2.0], None), ([1.0, math.inf], "inf"), ([-math.inf, 1.0], "-inf"), ([math.inf, math.nan], "nan")],
+)
+def test_cpu_non_finite_names_the_value_nan_first(values, expected):
+    assert _cpu_non_finite(torch.tensor(values)) == expected
+    assert _non_finite(values) == expected
+
+
+def test_an_fp16_tensor_whose_sum_passes_65504_is_finite():
+    assert _cpu_non_finite(torch.full((4, 8), 60000.0, dtype=torch.half)) is None  # each row sums to 480000
+    # one row summing to 100000 rounds to inf in FP16; the element-by-element confirmation finds nothing
+    assert _cpu_non_finite(torch.full((1000,), 100.0, dtype=torch.half)) is None
+    assert _cpu_non_finite(torch.tensor([1.0, math.inf], dtype=torch.half)) == "inf"
+
+
+def test_an_empty_tensor_is_finite():
+    assert _cpu_non_finite(torch.empty(0)) is None
+
+
+def test_amax_is_the_largest_magnitude_and_inf_for_nan():
+    assert _amax([-3.0, 2.0]) == 3.0
+    assert _amax([math.nan, 1.0]) == math.inf
+    assert _amax([]) is None
+
+
+def test_to_host_keeps_the_order_across_dtypes():
+    tensors = [torch.tensor(1.0), torch.tensor(2.0, dtype=torch.half), torch.tensor(-math.inf), torch.tensor(4.0)]
+    assert _to_host(tensors) == [1.0, 2.0, -math.inf, 4.0]
+    assert _to_host([]) == []
+
+
+def test_sparse_and_complex_gradients_are_checked_as_real_values():
+    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, math.inf], (4,), check_invariants=True)
+    assert _real_dense(sparse).tolist() == [1.0, math.inf]
+    assert _real_dense(torch.tensor([1 + 2j])).tolist() == [[1.0, 2.0]]
+
+
+def test_the_tensors_of_an_output_one_level_deep():
+    a, b = torch.ones(1), torch.zeros(1)
+    assert list(_tensors(a)) == [a]
+    assert [t is x for t, x in zip(_tensors((a, 3, b)), (a, b))] == [True, True]
+    assert list(_tensors({"x": a, "n": 1})) == [a]
+    assert list(_tensors([(a,)])) == [] and list(_tensors(None)) == []
+
+
+def test_checks_run_outside_the_fp32_policy():
+    x = torch.ones(4, dtype=torch.half)
+    with Fp32Policy().op_context():
+        assert torch.softmax(x, 0).dtype == torch.float32
+        with _bare():
+            assert torch.softmax(x, 0).dtype == torch.half

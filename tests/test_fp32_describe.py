@@ -1,0 +1,35 @@
+"""The Markdown of Fp32Policy.describe(): every default listed, well-formed tables, user additions named."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from lightning_mp.fp32_describe import describe_policy
+from lightning_mp.fp32_policy import DEFAULT_FP32_MODULES, DEFAULT_FP32_OPS, Fp32Policy
+
+
+def test_describe_mentions_every_default() -> None:
+    text = Fp32Policy().describe()
+    for name in DEFAULT_FP32_OPS:
+        assert f"`{name}`" in text, name
+    for cls in DEFAULT_FP32_MODULES:
+        assert cls.__name__ in text, cls
+    for covered in ("BatchNorm2d", "SyncBatchNorm", "InstanceNorm1d", "LSTM", "GRU"):
+        assert covered in text
+    table_rows = [line for line in text.splitlines() if line.startswith("|")]
+    assert table_rows and all(line.endswith("|") for line in table_rows)
+    # every row of a table has the same number of cells as its header (no stray '|')
+    assert all(line.count("|") in (4, 3) for line in table_rows)
+    custom = Fp32Policy(ops={"tanh"}, modules=()).describe()
+    assert "`tanh`" in custom and "user-added" in custom
+
+
+class MyBlock(nn.Module):
+    pass
+
+
+def test_a_user_class_is_named_by_its_path_and_nothing_listed_says_so() -> None:
+    text = describe_policy({}, (MyBlock,))
+    assert f"| `{__name__}.MyBlock` | MyBlock | selected by the user |" in text
+    assert "_None: every op follows autocast's own lists._" in text
+    assert "_None: every parameter follows" in describe_policy({}, ())

@@ -1,0 +1,62 @@
+"""OverflowReport's text and how device records are read back into one, without hooks or a model."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_mp.overflow_report import OverflowReport, _first_report, _Found
+
+NAMES, TYPES = ["", "block", "block.linear"], ["Net", "Block", "Linear"]
+INF, NAN = math.inf, math.nan
+
+
+def t(*values):
+    return [torch.tensor(v) for v in values]
+
+
+def test_report_phase_is_checked():
+    with pytest.raises(ValueError, match=r"phase='sideways' is not allowed.*forward.*backward"):
+        OverflowReport("sideways", "a", "Linear", "output", "inf")
+
+
+def test_the_text_says_where_what_and_how_large_the_input_was():
+    assert str(OverflowReport("forward", "", "Net", "output", "inf", 3.0)) == (
+        "forward overflow in `<model>` (Net): output went inf; largest input magnitude 3"
+    )
+    assert str(OverflowReport("forward", "a", "Block", "output", "nan", INF)).endswith("already non-finite")
+    assert str(OverflowReport("forward", "a", "Block", "own code", "inf", 2.0)).startswith(
+        "forward overflow in `a` (Block): its own forward code, between its submodules, made a inf"
+    )
+    assert str(OverflowReport("backward", "a", "Linear", "gradient of weight", "-inf")) == (
+        "backward overflow in `a` (Linear): gradient of weight went -inf"
+    )
+
+
+def test_a_clean_step_reads_as_none():
+    assert _first_report([], {}, NAMES, TYPES) is None
+    assert _first_report([(1, 2, 0, "output", t(-1.0, 1.0), t(0.0, 2.0))], {}, NAMES, TYPES) is None
+
+
+def test_a_forward_overflow_wins_over_an_earlier_backward_one():
+    records = [
+        (1, 2, 1, "gradient of weight", t(0.0, INF), None),
+        (2, 1, 0, "output", t(-1.0, NAN), t(-2.0, 3.0)),
+    ]
+    assert _first_report(records, {}, NAMES, TYPES) == OverflowReport("forward", "block", "Block", "output", "nan", 3.0)
+
+
+def test_the_earlier_of_a_cpu_culprit_and_a_device_record_wins():
+    cpu = OverflowReport("forward", "", "Net", "output", "inf")
+    records = [(2, 2, 0, "output", t(0.0, INF), None)]
+    assert _first_report(records, {0: _Found(1, cpu)}, NAMES, TYPES) is cpu
+    assert _first_report(records, {0: _Found(3, cpu)}, NAMES, TYPES).module == "block.linear"
+
+
+def test_a_non_finite_input_made_by_the_parents_own_code_names_the_parent():
+    records = [
+        (1, 2, 0, "output", t(0.0, INF), t(0.0, INF)),  # the Linear's input was already inf
+        (2, 1, 0, "output", [], t(-0.5, 0.5)),  # its parent's own input was finite: the parent made the inf
+    ]
+    report = _first_report(records, {}, NAMES, TYPES)
+    assert report == OverflowReport("forward", "block", "Block", "own code", "inf", 0.5)
