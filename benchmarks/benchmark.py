@@ -2,11 +2,13 @@
 
     python benchmarks/benchmark.py                 # the small GPT, CPU or CUDA, whichever is present
     python benchmarks/benchmark.py --rounds 6 --steps 10
+    python benchmarks/benchmark.py --model resnet --only fp16 bf16   # the seed's convnet: ResNet-14, BatchNorm
 
 Every variant trains the same GPT (4 layers, 256 wide, batch 16 x 128 bytes of stdlib text) for ``--steps``
 steps per round; the variants take turns within each round, so a noisy machine slows them alike. Each step is
 timed from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, unscale/check, optimizer
-step); the first ``--warmup`` steps of every round are dropped. The table reports median step time, the ratio
+step); the first ``--warmup`` steps of every round are dropped. ``--model resnet`` trains ``demos.ResNet`` on the
+digits (batch 512 of 16x16 images) instead. The table reports median step time, the ratio
 to fp32 and to the variant it is compared with (both measured in this run), and model-state bytes per parameter (parameters,
 gradients, FP32 masters and optimizer state, counted once per storage at the end of a step).
 """
@@ -28,7 +30,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_mp import GradientRangeMonitor, LossScaleMonitor, MixedPrecisionPlugin
 from lightning_mp.activation_range_monitor import ActivationRangeMonitor
-from lightning_mp.demos import GPT, StdlibTextDataModule
+from lightning_mp.demos import GPT, DigitsDataModule, ResNet, StdlibTextDataModule
 from lightning_mp.fp32_policy import NORM_MODULES, RECURRENT_MODULES
 from lightning_mp.gemm_emulation import cpu_capability, gemm_support
 
@@ -160,7 +162,10 @@ COMPARISONS = [
 
 def run_round(variant: Variant, datamodule, args, accelerator: str) -> None:
     L.seed_everything(0, verbose=False)
-    model = GPT(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size)
+    if args.model == "resnet":
+        model = ResNet()
+    else:
+        model = GPT(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size)
     timer = StepTimer(time.process_time if args.clock == "cpu" else time.perf_counter)
     plugins = [variant.plugin()] if variant.plugin else []
     trainer = L.Trainer(
@@ -187,7 +192,8 @@ def main(argv=None) -> list[Variant]:
     parser.add_argument("--rounds", type=int, default=4, help="rounds of interleaved runs")
     parser.add_argument("--steps", type=int, default=8, help="training steps per variant per round")
     parser.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of every round")
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--model", choices=("gpt", "resnet"), default="gpt", help="what to train (default gpt)")
+    parser.add_argument("--batch-size", type=int, default=None, help="default 16 sequences (gpt), 512 images (resnet)")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=256)
@@ -198,6 +204,8 @@ def main(argv=None) -> list[Variant]:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args(argv)
     args.log_dir = tempfile.mkdtemp(prefix="lightning_mp_bench_")
+    if args.batch_size is None:
+        args.batch_size = 512 if args.model == "resnet" else 16
     for name in ("rounds", "steps", "batch_size", "block_size", "n_layer", "n_embd", "n_head"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)!r} must be >= 1")
@@ -219,7 +227,10 @@ def main(argv=None) -> list[Variant]:
             if num in matched or den in matched:
                 wanted |= {num, den}
         chosen = [v for v in chosen if v.name in wanted]
-    datamodule = StdlibTextDataModule(block_size=args.block_size, batch_size=args.batch_size, max_bytes=2**21)
+    if args.model == "resnet":
+        datamodule = DigitsDataModule(batch_size=args.batch_size)
+    else:
+        datamodule = StdlibTextDataModule(block_size=args.block_size, batch_size=args.batch_size, max_bytes=2**21)
     print(f"device: {device} ({torch.cuda.get_device_name() if device == 'cuda' else f'{torch.get_num_threads()} threads'})"
           f", torch {torch.__version__}, lightning {L.__version__}")
     # 16-bit speed on a CPU depends on its vector unit: every table says which one it was measured on
@@ -227,7 +238,9 @@ def main(argv=None) -> list[Variant]:
           + "; ".join(f"{n}: {'native' if s.native else 'emulated'} ({s.reason})"
                       for n, s in (("bf16", gemm_support(device, torch.bfloat16)),
                                    ("fp16", gemm_support(device, torch.float16)))))
-    print(f"GPT {args.n_layer}x{args.n_embd}, batch {args.batch_size}x{args.block_size}; "
+    what = (f"ResNet-14 on 16x16 digits, batch {args.batch_size}" if args.model == "resnet"
+            else f"GPT {args.n_layer}x{args.n_embd}, batch {args.batch_size}x{args.block_size}")  # fmt: skip
+    print(f"{what}; "
           f"{args.rounds} rounds x {args.steps} steps, {args.warmup} warm-up steps dropped per round, "
           f"{'CPU' if args.clock == 'cpu' else 'wall'} time\n")
     for r in range(args.rounds):

@@ -17,18 +17,8 @@ gradients all keep the 16-bit dtype; only the temporaries inside one op are FP32
 operand element: the cost, with Python dispatch of every aten op, that keeps emulation above 1.0x FP32).
 
 Whether to emulate is decided per (device type, dtype): bf16 and fp16 differ on the same CPU.
+The verdict per (device type, dtype) comes from :mod:`lightning_mp.gemm_support`.
 
-=============================  ==========================================================================
-device                         verdict
-=============================  ==========================================================================
-``cuda``                       native (every GPU that runs the format has 16-bit GEMM units)
-``cpu``, oneDNN reports it     native: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` / ``_fp16_...``
-``cpu``, oneDNN does not       a one-time probe (a few ms): one 128x128x128 GEMM timed in 16 bits and in
-                               FP32; emulated when the 16-bit one takes more than 2x the FP32 time
-other devices                  native (not probed)
-=============================  ==========================================================================
-
-The probe covers CPUs the oneDNN check misjudges (ARM cores with fast fp16 NEON kernels in torch's own BLAS).
 Not covered: in-place and ``out=`` variants (``addmm_``, ``torch.mm(..., out=)``) run natively; fused kernels
 called from inside other handlers are not seen; the mode is for eager execution, not ``torch.compile``.
 """
@@ -36,23 +26,15 @@ called from inside other handlers are not seen; the mode is for eager execution,
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
-import time
-import warnings
-from dataclasses import dataclass
+import threading
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-GEMM_CHOICES = ("auto", "native", "emulated")
+from lightning_mp.gemm_support import GemmSupport, _dtype_name, _warn_slow_once, cpu_capability, gemm_support
 
-# a 16-bit GEMM slower than this many FP32 GEMMs is "not native"; emulation costs about 1.1-1.3x FP32 on the
-# probe's shape (the casts), so below 2x the native kernel is kept: it is the one the user asked for
-_SLOW_FACTOR = 2.0
-_PROBE_SIZE = 128
-_PROBE_REPEATS = 5
+GEMM_CHOICES = ("auto", "native", "emulated")
 
 aten = torch.ops.aten
 
@@ -87,107 +69,86 @@ EMULATED_OPS: frozenset = frozenset(
 _FP32_OUTPUTS = {aten._scaled_dot_product_flash_attention_for_cpu.default: (1,)}
 
 
-def cpu_capability() -> str:
-    """torch's name for this CPU's vector unit (``AVX2``, ``AVX512``, ``DEFAULT`` on ARM...): quote it beside
-    every CPU timing, because 16-bit speed depends on it."""
-    try:
-        return torch.backends.cpu.get_cpu_capability()
-    except (AttributeError, RuntimeError):
-        return "unknown"
+def _dense(x: Tensor) -> bool:
+    """True when ``x``'s elements fill ``numel`` consecutive slots in some dimension order (contiguous,
+    channels-last, a transpose): then a flat buffer viewed with ``x``'s strides holds exactly ``x``."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(x.stride(), x.size()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype).replace("torch.", ""))
+class _Staging:
+    """FP32 buffers reused for the up-cast operands of emulated ops (CPU only).
+
+    Why: glibc's ``malloc`` serves every allocation above its mmap threshold (128 KiB, raised adaptively up to
+    32 MiB) with fresh pages, and the kernel zeroes each 4 KiB page on first touch. A new 8 MiB FP32 copy of a
+    convolution's input therefore costs about 2,000 page faults before the convolution reads a byte: measured on
+    this ResNet's 512x16x16x16 activations, 1 thread, a convolution backward took 13.6 ms on tensors already in
+    memory and 23.6 ms on three freshly allocated copies of them. Emulation makes two or three such copies per op
+    where FP32 training makes none, so reusing them is what brings emulated convolutions close to FP32 speed.
+
+    Cost: at most :attr:`KEEP` flat buffers stay allocated between ops, the largest operands seen (4 bytes per
+    element); operands under :attr:`MIN_BYTES` (served from malloc's heap without faults) are copied as before.
+    """
+
+    MIN_BYTES = 1 << 20
+    KEEP = 4
+
+    def __init__(self) -> None:
+        self._free: list[Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """An FP32 copy of ``x`` with its sizes and strides, and the pooled buffer under it (None: not pooled)."""
+        n = x.numel()
+        if n * 4 < self.MIN_BYTES or x.device.type != "cpu" or not _dense(x):
+            return x.to(torch.float32), None
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= n]
+            buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel())) if fits else None
+        if buf is None:
+            buf = torch.empty(n, dtype=torch.float32, device=x.device)
+        view = buf.as_strided(x.size(), x.stride())  # dense and non-overlapping: exactly n elements from 0
+        view.copy_(x)
+        return view, buf
+
+    def give(self, bufs: list[Tensor], out) -> None:
+        """Return ``bufs`` for reuse, except any an output of the op lives in (then it is the output's now)."""
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        used = {o.untyped_storage().data_ptr() for o in outs if isinstance(o, Tensor)}
+        with self._lock:
+            self._free.extend(b for b in bufs if b.untyped_storage().data_ptr() not in used)
+            if len(self._free) > self.KEEP:  # keep the largest: a large buffer serves every smaller operand
+                self._free = sorted(self._free, key=Tensor.numel)[-self.KEEP :]
 
 
-@dataclass(frozen=True)
-class GemmSupport:
-    """Whether ``device_type`` computes ``dtype`` GEMMs natively, why we think so, and the probe's measurement."""
-
-    device_type: str
-    dtype: torch.dtype
-    native: bool
-    reason: str
-    slowdown: float | None = None  # 16-bit / FP32 time of the probe GEMM, where it was probed
-
-
-def _torch_reports_native(dtype: torch.dtype) -> bool:
-    """oneDNN's own check for native 16-bit arithmetic on this CPU (False where it cannot tell)."""
-    name = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
-    try:
-        return name is not None and torch.backends.mkldnn.is_available() and bool(getattr(torch.ops.mkldnn, name)())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-@torch.inference_mode()
-def _probe_slowdown(dtype: torch.dtype) -> float:
-    """Time of one 128^3 GEMM in ``dtype`` over the same GEMM in FP32 on the CPU; best of a few, interleaved so a
-    busy machine slows both alike. Costs about 1 ms where 16-bit is native, a few ms where it is not.
-
-    Timed on one thread: it compares kernels, not thread pools. On an oversubscribed machine a multi-threaded FP32
-    GEMM waits for a descheduled worker at its barrier (measured: 60-80 ms instead of 0.03 ms at load 7.8 on 2
-    cores) while the scalar 16-bit fallback runs on one thread unharmed, and the ratio would come out inverted."""
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=gen)
-    b = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=gen)
-    a16, b16 = a.to(dtype), b.to(dtype)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.mm(a, b), torch.mm(a16, b16)  # first calls pay one-time kernel selection
-        best32 = best16 = math.inf
-        for _ in range(_PROBE_REPEATS):
-            t0 = time.perf_counter()
-            torch.mm(a, b)
-            t1 = time.perf_counter()
-            torch.mm(a16, b16)
-            t2 = time.perf_counter()
-            best32, best16 = min(best32, t1 - t0), min(best16, t2 - t1)
-    finally:
-        torch.set_num_threads(threads)
-    return best16 / max(best32, 1e-9)
-
-
-@functools.lru_cache(maxsize=None)
-def gemm_support(device_type: str, dtype: torch.dtype) -> GemmSupport:
-    """Detect once per process whether 16-bit GEMMs of ``dtype`` are native on ``device_type`` (see the table in
-    the module docstring). ``gemm_support.cache_clear()`` forgets the verdicts."""
-    name = _dtype_name(dtype)
-    if dtype not in (torch.bfloat16, torch.float16):
-        return GemmSupport(device_type, dtype, True, f"{name} is not a 16-bit format")
-    if device_type == "cuda":
-        return GemmSupport(device_type, dtype, True, f"CUDA GPUs compute {name} GEMMs natively")
-    if device_type != "cpu":
-        return GemmSupport(device_type, dtype, True, f"{device_type!r} is not probed; assumed native")
-    cpu = f"this CPU ({cpu_capability()})"
-    if _torch_reports_native(dtype):
-        return GemmSupport(device_type, dtype, True, f"oneDNN reports native {name} arithmetic on {cpu}")
-    slowdown = _probe_slowdown(dtype)
-    verdict = "native" if slowdown < _SLOW_FACTOR else "not native"
-    return GemmSupport(
-        device_type,
-        dtype,
-        slowdown < _SLOW_FACTOR,
-        f"one {name} GEMM took {slowdown:.1f}x the FP32 time on {cpu}: {verdict} (oneDNN reports no native {name})",
-        slowdown,
-    )
-
-
-def _emulate(func, dtype: torch.dtype, args: tuple, kwargs: dict):
+def _emulate(func, dtype: torch.dtype, args: tuple, kwargs: dict, staging: _Staging):
     """``func`` in FP32 on the ``dtype`` operands, its results rounded (nearest-even) back to ``dtype``."""
+    bufs: list[Tensor] = []
 
     def up(x):
-        return x.to(torch.float32) if isinstance(x, Tensor) and x.dtype == dtype else x
+        if not (isinstance(x, Tensor) and x.dtype == dtype):
+            return x
+        x32, buf = staging.take(x)
+        if buf is not None:
+            bufs.append(buf)
+        return x32
 
     out = func(*[up(a) for a in args], **{k: up(v) for k, v in kwargs.items()})
     if isinstance(out, Tensor):
-        return out.to(dtype)
-    keep = _FP32_OUTPUTS.get(func, ())
-    return type(out)(
-        o.to(dtype) if isinstance(o, Tensor) and o.dtype == torch.float32 and i not in keep else o
-        for i, o in enumerate(out)
-    )
+        result = out.to(dtype)
+    else:
+        keep = _FP32_OUTPUTS.get(func, ())
+        result = type(out)(
+            o.to(dtype) if isinstance(o, Tensor) and o.dtype == torch.float32 and i not in keep else o
+            for i, o in enumerate(out)
+        )
+    if bufs:
+        staging.give(bufs, result)
+    return result
 
 
 class EmulatedGemmMode(TorchDispatchMode):
@@ -195,40 +156,22 @@ class EmulatedGemmMode(TorchDispatchMode):
     to ``dtype``; every other op runs as it is. Enter it around the forward *and* the backward.
 
     Every aten op under the mode makes one Python call (a set lookup and the re-call): a fixed few microseconds
-    per op, whatever the tensor sizes.
+    per op, whatever the tensor sizes. ``staging`` keeps the FP32 operand buffers for reuse across ops and
+    steps (:class:`_Staging`); pass the same one to every mode of a run.
     """
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, staging: _Staging | None = None) -> None:
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"dtype={dtype!r} is not allowed: use torch.bfloat16 or torch.float16.")
         super().__init__()
         self.dtype = dtype
+        self.staging = staging if staging is not None else _Staging()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: A002 (torch's signature)
         kwargs = kwargs or {}
         if func in EMULATED_OPS and any(isinstance(a, Tensor) and a.dtype == self.dtype for a in args):
-            return _emulate(func, self.dtype, args, kwargs)
+            return _emulate(func, self.dtype, args, kwargs, self.staging)
         return func(*args, **kwargs)
-
-
-_warned: set[tuple[str, torch.dtype]] = set()
-
-
-def _warn_slow_once(support: GemmSupport) -> None:
-    key = (support.device_type, support.dtype)
-    if key in _warned:
-        return
-    _warned.add(key)
-    name = _dtype_name(support.dtype)
-    factor = f"{support.slowdown:.0f}x" if support.slowdown is not None else "several times"
-    warnings.warn(
-        f"gemm='native': {name} GEMMs are not native on {support.device_type} ({cpu_capability()}): one {name} GEMM "
-        f"takes {factor} the FP32 time here, so this run's matrix products are that much slower than in FP32. "
-        f"HINT: gemm='auto' (the default) computes them as FP32 GEMMs on the {name} values and rounds the results "
-        f"to {name}: about FP32 speed, {name} memory, results within 1 {name} ulp of the native kernel.",
-        UserWarning,
-        stacklevel=3,
-    )
 
 
 class GemmEmulation:
@@ -247,6 +190,7 @@ class GemmEmulation:
         self.dtype: torch.dtype | None = None
         self.support: GemmSupport | None = None
         self.emulated = False
+        self._staging = _Staging()  # shared by every step's mode: its buffers outlive one op
 
     def setup(self, device_type: str, dtype: torch.dtype) -> str:
         """Decide for this run (detection is cached per process), warn once if 16-bit is slow and emulation is
@@ -263,7 +207,7 @@ class GemmEmulation:
 
     def context(self) -> contextlib.AbstractContextManager:
         """The mode where emulation is in force, else a no-op (native runs pay nothing)."""
-        return EmulatedGemmMode(self.dtype) if self.emulated else contextlib.nullcontext()
+        return EmulatedGemmMode(self.dtype, self._staging) if self.emulated else contextlib.nullcontext()
 
     def describe(self) -> str:
         """One line: which GEMMs are in force and why."""

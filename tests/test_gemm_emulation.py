@@ -1,9 +1,8 @@
-"""Emulated 16-bit GEMMs: detection, op coverage (dtype, gradients, 1-ulp match), the gemm= knob, the warning."""
+"""Emulated 16-bit GEMMs: op coverage (dtype, gradients, 1-ulp match), the gemm= knob, the warning."""
 
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
 
 import pytest
@@ -13,30 +12,21 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_mp.gemm_emulation as ge
-from lightning_mp.gemm_emulation import EmulatedGemmMode, GemmEmulation, gemm_support
+import lightning_mp.gemm_support as gs
+from lightning_mp.gemm_emulation import EmulatedGemmMode, GemmEmulation
 from tests.conftest import cuda
+from tests.test_gemm_support import mock_cpu
 
 HALF = (torch.bfloat16, torch.float16)
 
 
 @pytest.fixture(autouse=True)
 def fresh_detection(monkeypatch):
-    gemm_support.cache_clear()
-    monkeypatch.setattr(ge, "_warned", set())
+    gs.gemm_support.cache_clear()
+    monkeypatch.setattr(gs, "_warned", set())
     yield
-    gemm_support.cache_clear()
+    gs.gemm_support.cache_clear()
 
-
-def mock_cpu(monkeypatch, onednn: bool, slowdown: float = 20.0):
-    calls = []
-
-    def probe(dtype):
-        calls.append(dtype)
-        return slowdown
-
-    monkeypatch.setattr(ge, "_torch_reports_native", lambda dtype: onednn)
-    monkeypatch.setattr(ge, "_probe_slowdown", probe)
-    return calls
 
 
 class Recorder(TorchDispatchMode):
@@ -65,53 +55,6 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
         return torch.where(bits < 0, -(bits & 0x7FFF), bits)
 
     return int((ordered(a) - ordered(b)).abs().max())
-
-
-# ------------------------------------------------------------------------------------------------ detection
-@pytest.mark.parametrize("dtype", HALF)
-def test_cuda_is_native_without_probing(monkeypatch, dtype):
-    calls = mock_cpu(monkeypatch, onednn=False)
-    s = gemm_support("cuda", dtype)
-    assert s.native and "CUDA" in s.reason and calls == []
-
-
-@pytest.mark.parametrize("dtype", HALF)
-def test_cpu_native_when_onednn_reports_it_without_probing(monkeypatch, dtype):
-    calls = mock_cpu(monkeypatch, onednn=True)
-    s = gemm_support("cpu", dtype)
-    assert s.native and "oneDNN reports native" in s.reason and calls == []
-    assert ge.cpu_capability() in s.reason
-
-
-@pytest.mark.parametrize("dtype", HALF)
-def test_cpu_not_native_when_the_probe_is_slow(monkeypatch, dtype):
-    calls = mock_cpu(monkeypatch, onednn=False, slowdown=17.6)
-    s = gemm_support("cpu", dtype)
-    assert not s.native and s.slowdown == 17.6 and "17.6x the FP32 time" in s.reason
-    gemm_support("cpu", dtype)
-    assert calls == [dtype]  # probed once per process, not once per run
-
-
-def test_cpu_native_when_the_probe_is_fast_even_if_onednn_says_no(monkeypatch):
-    mock_cpu(monkeypatch, onednn=False, slowdown=1.1)  # e.g. ARM fp16 through torch's own NEON kernels
-    assert gemm_support("cpu", torch.float16).native
-
-
-def test_fp32_and_unprobed_devices_are_native(monkeypatch):
-    calls = mock_cpu(monkeypatch, onednn=False)
-    assert gemm_support("cpu", torch.float32).native
-    assert gemm_support("mps", torch.float16).native
-    assert calls == []
-
-
-def test_real_detection_on_this_machine_is_quick_and_agrees_with_onednn():
-    t0 = time.perf_counter()
-    verdicts = {dtype: gemm_support("cpu", dtype) for dtype in HALF}
-    assert time.perf_counter() - t0 < 1.0  # a few ms each; 1 s leaves room for a loaded 2-core machine
-    if ge._torch_reports_native(torch.bfloat16):
-        assert verdicts[torch.bfloat16].native
-    for s in verdicts.values():
-        assert s.native or s.slowdown >= ge._SLOW_FACTOR
 
 
 # ------------------------------------------------------------------------------------------------ op coverage
@@ -354,5 +297,64 @@ def test_cuda_runs_native_kernels_under_auto():
 
 def test_the_probe_leaves_the_thread_count_as_it_was():
     threads = torch.get_num_threads()
-    assert ge._probe_slowdown(torch.float16) > 0
+    assert gs._probe_slowdown(torch.float16) > 0
     assert torch.get_num_threads() == threads
+
+
+# ------------------------------------------------------------------------------------------------ staging buffers
+def test_staging_reuses_its_fp32_buffers_and_keeps_a_bounded_few():
+    """Large up-cast operands land in reused buffers (no fresh pages per op), at most KEEP of them stay."""
+    staging = ge._Staging()
+    x = torch.randn(512, 1024).half()  # 2 MiB in FP32: pooled
+    first, buf = staging.take(x)
+    assert buf is not None and first.dtype == torch.float32 and torch.equal(first, x.float())
+    staging.give([buf], None)
+    second, buf2 = staging.take(x[:256])  # a smaller operand fits in the same buffer
+    assert buf2.data_ptr() == buf.data_ptr() and torch.equal(second, x[:256].float())
+    staging.give([buf2], None)
+    for n in range(1, 8):  # many distinct sizes at once: only the largest KEEP stay
+        staging.give([torch.empty(n * 2**18)], None)
+    assert len(staging._free) == staging.KEEP
+    assert min(b.numel() for b in staging._free) == (8 - staging.KEEP) * 2**18
+
+
+def test_staging_keeps_strides_and_skips_small_or_overlapping_operands():
+    staging = ge._Staging()
+    x = torch.randn(1024, 768).half()
+    for view in (x.t(), x.view(1024, 12, 64).permute(1, 0, 2), torch.randn(64, 16, 32, 32).half().to(
+            memory_format=torch.channels_last)):  # fmt: skip
+        up, buf = staging.take(view)
+        assert buf is not None and up.stride() == view.stride() and torch.equal(up, view.float())
+        staging.give([buf], None)
+    small, buf = staging.take(torch.randn(16, 16).half())
+    assert buf is None and small.dtype == torch.float32
+    expanded, buf = staging.take(torch.randn(1, 768).half().expand(1024, 768))  # stride 0: not dense
+    assert buf is None and expanded.shape == (1024, 768)
+
+
+def test_a_buffer_an_output_lives_in_is_not_reused():
+    staging = ge._Staging()
+    _, buf = staging.take(torch.randn(1024, 512).half())
+    staging.give([buf], buf[:10].view(2, 5))  # an op returned a view of its operand
+    assert staging._free == []
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_emulated_convolution_backward_with_reused_buffers_matches_fresh_copies(dtype):
+    """Three steps through the same staging (buffers reused, a smaller batch in between) give the same bits as
+    the op computed on fresh FP32 copies."""
+    conv = nn.Conv2d(16, 16, 3, padding=1, bias=False).to(dtype)
+    mode = EmulatedGemmMode(dtype)
+    for batch in (64, 32, 64):
+        x = torch.randn(batch, 16, 16, 16).to(dtype).requires_grad_()
+        with mode:
+            y = conv(x)
+            y.backward(torch.ones_like(y))
+        ref_y = F.conv2d(x.detach().float(), conv.weight.detach().float(), padding=1).to(dtype)
+        assert torch.equal(y, ref_y)
+        ref_gx = torch.ops.aten.convolution_backward(
+            torch.ones_like(y).float(), x.detach().float(), conv.weight.detach().float(), None, [1, 1], [1, 1],
+            [1, 1], False, [0, 0], 1, [True, False, False])[0].to(dtype)  # fmt: skip
+        assert torch.equal(x.grad, ref_gx)
+        conv.weight.grad = None
+    assert mode.staging._free  # the large operands went through the pool

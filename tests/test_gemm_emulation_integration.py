@@ -14,16 +14,17 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mp.gemm_emulation as ge
+import lightning_mp.gemm_support as gs
 from lightning_mp import MixedPrecisionPlugin
 from tests.conftest import cuda, trainer_kwargs
 
 
 @pytest.fixture(autouse=True)
 def fresh_detection(monkeypatch):
-    ge.gemm_support.cache_clear()
-    monkeypatch.setattr(ge, "_warned", set())
+    gs.gemm_support.cache_clear()
+    monkeypatch.setattr(gs, "_warned", set())
     yield
-    ge.gemm_support.cache_clear()
+    gs.gemm_support.cache_clear()
 
 
 @pytest.fixture
@@ -32,9 +33,9 @@ def emulated_calls(monkeypatch):
     calls: list[str] = []
     real = ge._emulate
 
-    def spy(func, dtype, args, kwargs):
+    def spy(func, dtype, args, kwargs, staging):
         calls.append(func.overloadpacket.__name__)
-        return real(func, dtype, args, kwargs)
+        return real(func, dtype, args, kwargs, staging)
 
     monkeypatch.setattr(ge, "_emulate", spy)
     return calls
@@ -122,8 +123,8 @@ def test_native_run_enters_no_emulation(emulated_calls):
 
 
 def test_auto_emulates_where_the_format_is_slow_and_says_so_at_setup(monkeypatch, emulated_calls, info_lines):
-    monkeypatch.setattr(ge, "_torch_reports_native", lambda dtype: dtype == torch.bfloat16)
-    monkeypatch.setattr(ge, "_probe_slowdown", lambda dtype: 25.0)
+    monkeypatch.setattr(gs, "_torch_reports_native", lambda dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(gs, "_probe_slowdown", lambda dtype: 25.0)
     fp16 = MixedPrecisionPlugin("fp16")
     fit(fp16, epochs=1)
     assert fp16.gemm.emulated and emulated_calls
@@ -138,8 +139,8 @@ def test_auto_emulates_where_the_format_is_slow_and_says_so_at_setup(monkeypatch
 
 
 def test_slow_native_kernels_warn_once_at_setup(monkeypatch):
-    monkeypatch.setattr(ge, "_torch_reports_native", lambda dtype: False)
-    monkeypatch.setattr(ge, "_probe_slowdown", lambda dtype: 25.0)
+    monkeypatch.setattr(gs, "_torch_reports_native", lambda dtype: False)
+    monkeypatch.setattr(gs, "_probe_slowdown", lambda dtype: 25.0)
     with pytest.warns(UserWarning, match=r"25x the FP32 time.*HINT: gemm='auto'"):
         fit(MixedPrecisionPlugin("bf16", gemm="native"), epochs=1)
     with warnings.catch_warnings():
