@@ -76,3 +76,19 @@ def resolve_precision(precision: object) -> Format:
     name = PRECISION_ALIASES[key]
     dtype, lightning_precision, default_loss_scale = _FORMATS[name]
     return Format(name, dtype, lightning_precision, default_loss_scale)
+
+
+def check_device_supports(fmt: Format, device_type: str) -> None:
+    """Fail at setup, not mid-run, when the device cannot compute in the requested format."""
+    if not fmt.is_16bit:
+        return
+    if not torch.amp.is_autocast_available(device_type):
+        raise RuntimeError(
+            f"precision={fmt.name!r} needs autocast on the {device_type!r} device, which this torch build does not "
+            "support. HINT: use precision='fp32', or run on 'cpu' or 'cuda'."
+        )
+    if device_type == "cuda" and fmt.dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise RuntimeError(
+            f"precision='bf16' was requested but {torch.cuda.get_device_name()} has no bfloat16 support. "
+            "HINT: use precision='fp16' (with dynamic loss scaling) on this GPU."
+        )

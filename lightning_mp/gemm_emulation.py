@@ -101,6 +101,9 @@ class _Staging:
         self._free: list[Tensor] = []
         self._lock = threading.Lock()
 
+    def __reduce__(self):  # a pickled plugin (ddp_spawn) or a deepcopy starts with no buffers and its own lock
+        return (type(self), ())
+
     def take(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """An FP32 copy of ``x`` with its sizes and strides, and the pooled buffer under it (None: not pooled)."""
         n = x.numel()

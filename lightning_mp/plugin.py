@@ -20,36 +20,33 @@ batch use one scale and move the state machine once.
 from __future__ import annotations
 
 import contextlib
-import logging
-import math
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from typing import Any, Callable
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_mp.distributed import average_across_ranks_, world_size
-from lightning_mp.formats import Format, resolve_precision
+from lightning_mp.checkpoint_compat import gradscaler_state, is_gradscaler_state, take_gradscaler_state
+from lightning_mp.formats import Format, check_device_supports, resolve_precision
 from lightning_mp.fp32_policy import DEFAULT_FP32_MODULES, DEFAULT_FP32_OPS, Fp32Policy
 from lightning_mp.gemm_emulation import GemmEmulation
 from lightning_mp.loss_scaler import LossScaler
 from lightning_mp.master_weights import MasterWeights
+from lightning_mp.plugin_state import PluginState
+from lightning_mp.plugin_steps import StepHooks
 from lightning_mp.overflow_locator import OverflowLocator, OverflowReport
 from lightning_mp.scheduler_guard import SchedulerGuard
 from lightning_mp.sharding import fsdp_mp_policy, is_sharded
 from lightning_mp.step import MixedPrecisionStep
 from lightning_mp.validation import check_bool
 
-log = logging.getLogger(__name__)
-
-
-class MixedPrecisionPlugin(Precision):
+class MixedPrecisionPlugin(PluginState, StepHooks, Precision):
     """Mixed precision with FP32 master weights, dynamic loss scaling and an FP32 op policy.
 
     Args:
@@ -147,89 +144,6 @@ class MixedPrecisionPlugin(Precision):
         self._handles: list[Any] = []
         self._sharded = False
 
-    # ------------------------------------------------------------------ read-only state
-    @property
-    def loss_scale(self) -> float:
-        """The scale the next backward uses (1.0 when scaling is off)."""
-        return self.scaler.scale
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped so far because their gradients held inf or NaN."""
-        return self.scaler.skipped_steps
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the most recent training step was skipped."""
-        return self.scaler.last_step_skipped
-
-    @property
-    def last_step_scale(self) -> float:
-        """The scale the most recent training step's backward used (before that step's update)."""
-        return self.scaler.last_step_scale
-
-    @property
-    def optimizer_steps(self) -> int:
-        """Training steps the scaler has seen (applied and skipped); moves once per step, several optimizers or not."""
-        return self.scaler.steps
-
-    @property
-    def last_overflow(self) -> OverflowReport | None:
-        """Where the most recent skipped step went non-finite (``None`` before any skip, with
-        ``locate_overflows=False``, or when no watched module's output or gradient was non-finite)."""
-        return self._last_overflow
-
-    @property
-    def step(self) -> MixedPrecisionStep:
-        """The step object: ``plugin.step.unscale_(optimizer)`` returns the overflow flag of this training step."""
-        return self._step
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.format.dtype
-
-    def named_grads(self, optimizer: Optimizer | None = None) -> Iterator[tuple[str, Tensor]]:
-        """(parameter name, FP32 gradient the optimizer reads), for one optimizer's parameters or all of them.
-
-        In ``on_before_optimizer_step(optimizer)`` the gradients of that optimizer are unscaled (true values); with
-        several optimizers, another optimizer's gradients may still be scaled until its own step.
-        """
-        module = self._lightning_module or self._module
-        if module is None or (self._masters is not None and self._masters.swapped_in):
-            return
-        allowed = None if optimizer is None else {id(p) for g in optimizer.param_groups for p in g["params"]}
-        for name, p in module.named_parameters():
-            if p.grad is not None and (allowed is None or id(p) in allowed):
-                yield name, p.grad
-
-    def named_fp32_parameters(self) -> Iterator[tuple[str, Tensor]]:
-        """(name, FP32 value) of every parameter, also during the forward/backward when the module holds 16-bit
-        copies: the documented way for callbacks (EMA, weight averaging) to read exact values at any time."""
-        module = self._lightning_module or self._module
-        if module is None:
-            return
-        for name, p in module.named_parameters():
-            yield name, self._masters.fp32_value(p) if self._masters is not None else p.detach()
-
-    def describe(self) -> str:
-        """A Markdown summary of this plugin's settings and its FP32 policy."""
-        s = self.scaler
-        lines = [
-            f"precision: {self.format.name} (compute dtype {self.format.dtype}); master weights: "
-            f"{'FP32 parameters, 16-bit copies for forward/backward' if self.master_weights else 'no (autocast only)'}",
-            f"loss scale: {s.mode!r}, current {s.scale:g}",
-        ]
-        if s.dynamic:
-            lines.append(
-                f"  growth x{s.growth_factor:g} every {s.growth_interval} clean steps, backoff x{s.backoff_factor:g}, "
-                f"hysteresis {s.hysteresis}, range [{s.min_scale:g}, {s.max_scale:g}]"
-            )
-        guard = "on (one host sync per step)" if self.check_finite or s.enabled else "off (no sync, no extra pass)"
-        lines.append(f"non-finite guard: {guard}; stop after {s.max_consecutive_skips} skipped steps in a row")
-        if self.format.is_16bit:
-            lines.append(self.gemm.describe())
-        return "\n".join(lines) + "\n\n" + self.policy.describe()
-
     # ------------------------------------------------------------------ set-up
     @property
     def sharded(self) -> bool:
@@ -258,7 +172,7 @@ class MixedPrecisionPlugin(Precision):
         self._lightning_module = _find_lightning_module(model)
         first = next(model.parameters(), None)
         self._device_type = first.device.type if first is not None else "cpu"
-        _check_device_supports(self.format, self._device_type)
+        check_device_supports(self.format, self._device_type)
         if self.format.is_16bit:
             rank_zero_info(self.gemm.setup(self._device_type, self.format.dtype))
         if self.scaler.dynamic and any(isinstance(opt, LBFGS) for opt in optimizers):
@@ -370,118 +284,13 @@ class MixedPrecisionPlugin(Precision):
         self._swap_out()  # before on_after_backward: hooks see FP32 gradients on the module's parameters
         return super().post_backward(tensor, module)
 
-    # ------------------------------------------------------------------ step
-    @override
-    def optimizer_step(  # type: ignore[override]
-        self, optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
-    ) -> Any:
-        if isinstance(optimizer, LBFGS):
-            return self._closure_optimizer_step(optimizer, model, closure, **kwargs)
-        closure_result = closure()
-        self._swap_out()  # a bare loss.backward() that bypassed post_backward, or no backward at all
-        if closure_result is None and model.automatic_optimization:
-            # training_step returned None: Lightning's convention for "skip this batch", not an overflow
-            self._after_closure(model, optimizer)
-            self._consumed(optimizer)
-            return None
-        self._step.unscale_(optimizer)
-        self._after_closure(model, optimizer)  # hooks and clipping: true FP32 gradients
-        output = self._step.step(optimizer, **kwargs)
-        self._consumed(optimizer)
-        if model.automatic_optimization:
-            self._end_training_step()
-        return output
-
-    def _end_training_step(self) -> None:
-        """Move the scale once; on a skipped step, say where it overflowed (the locator's one read-back)."""
-        report = None
-        if self._step.in_progress and self._step.skipping:
-            report = self._locator.report() if self._locator is not None else None
-            self._last_overflow = report or self._last_overflow
-            if _rank_zero():
-                where = f": {report}" if report is not None else ""
-                log.warning(f"step {self._global_step()} skipped (loss scale {self.loss_scale:g}){where}")
-        try:
-            self._step.end_training_step(self._global_step())
-        except FloatingPointError as err:
-            if report is None:
-                raise
-            raise FloatingPointError(f"{err} Where it first went non-finite: {report}.") from err
-        finally:
-            if self._locator is not None:
-                self._locator.begin_step()
-
-    @override
-    def clip_gradients(
-        self,
-        optimizer: Optimizer,
-        clip_val: int | float = 0.0,
-        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-    ) -> None:
-        """Unscale first, on every path (automatic, manual ``self.clip_gradients``, several optimizers)."""
-        if clip_val <= 0:
-            return
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer: the step keys the raw one
-        self._swap_out()
-        if self._step.unscale_(optimizer) or self._step.skipping:
-            return  # the step is skipped: clipping inf/NaN gradients would only compute NaN norms
-        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
-
-    def _global_step(self) -> int | None:
-        trainer = getattr(self._lightning_module, "_trainer", None)
-        return trainer.global_step if trainer is not None else None
-
-    def _closure_optimizer_step(
-        self, optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
-    ) -> Any:
-        """Optimizers that evaluate the closure several times per step (LBFGS): every evaluation runs on fresh
-        16-bit copies of the current FP32 parameters and leaves unscaled FP32 gradients; a non-finite one stops
-        the run (the step cannot be skipped halfway through a line search)."""
-
-        def evaluate() -> Any:
-            result = closure()
-            self._swap_out()
-            self._step.forget(optimizer)
-            if self._step.unscale_(optimizer):
-                raise FloatingPointError(
-                    f"Non-finite gradients at step {self._global_step()} with loss scale {self.loss_scale:g} "
-                    "inside an LBFGS step, which cannot be skipped. HINT: lower the learning rate or the static "
-                    "loss_scale."
-                )
-            self._after_closure(model, optimizer)
-            self._consumed(optimizer)  # the next evaluation zeroes them
-            return result
-
-        output = optimizer.step(closure=evaluate, **kwargs)
-        self._end_training_step()  # never a skip here (a non-finite evaluation raised); resets the locator
-        return output
-
     # ------------------------------------------------------------------ checkpoints
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Take over the scale of a checkpoint written by Lightning's own ``16-mixed`` (its GradScaler state).
-
-        The model's weights need nothing here: Lightning loads them into the FP32 parameters before the plugin
-        makes any 16-bit copy, so a resumed run continues from exactly the values it stopped at."""
-        native = checkpoint.get("MixedPrecision") or checkpoint.get("native_amp_scaling_state")
-        if type(self).__qualname__ not in checkpoint and isinstance(native, dict):
-            self._take_gradscaler_state(native)
-
-    def _take_gradscaler_state(self, native: dict[str, Any]) -> None:
-        if "scale" not in native or not self.scaler.dynamic:
-            return  # a static or disabled scaler keeps its configured scale
-        scale = float(native["scale"])
-        if not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"the checkpoint's GradScaler scale {scale!r} is not a positive finite number.")
-        self.scaler.load_state_dict(
-            {
-                "mode": "dynamic",
-                "scale": scale,
-                "growth_tracker": int(native.get("_growth_tracker", 0)),
-                "hysteresis_tracker": self.scaler.hysteresis,
-                "skipped_steps": 0,
-            }
-        )
+        """Take over the scale of a checkpoint that Lightning's own ``16-mixed`` wrote (:mod:`.checkpoint_compat`)."""
+        native = gradscaler_state(checkpoint, type(self).__qualname__)
+        if native is not None:
+            take_gradscaler_state(self.scaler, native)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -489,32 +298,10 @@ class MixedPrecisionPlugin(Precision):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "scaler" not in state_dict and "scale" in state_dict and "_growth_tracker" in state_dict:
-            # Lightning's deprecated `precision.MixedPrecisionPlugin` alias writes its GradScaler state under the
-            # same key as this class
-            self._take_gradscaler_state(state_dict)
-            return
-        self._step.load_state_dict(state_dict)
-
-
-def _check_device_supports(fmt: Format, device_type: str) -> None:
-    """Fail at setup, not mid-run, when the device cannot compute in the requested format."""
-    if not fmt.is_16bit:
-        return
-    if not torch.amp.is_autocast_available(device_type):
-        raise RuntimeError(
-            f"precision={fmt.name!r} needs autocast on the {device_type!r} device, which this torch build does not "
-            "support. HINT: use precision='fp32', or run on 'cpu' or 'cuda'."
-        )
-    if device_type == "cuda" and fmt.dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise RuntimeError(
-            f"precision='bf16' was requested but {torch.cuda.get_device_name()} has no bfloat16 support. "
-            "HINT: use precision='fp16' (with dynamic loss scaling) on this GPU."
-        )
-
-
-def _rank_zero() -> bool:
-    return getattr(rank_zero_only, "rank", 0) == 0
+        if is_gradscaler_state(state_dict):  # Lightning's deprecated alias of 16-mixed, under our key
+            take_gradscaler_state(self.scaler, state_dict)
+        else:
+            self._step.load_state_dict(state_dict)
 
 
 def _find_lightning_module(model: nn.Module) -> LightningModule | None:

@@ -112,7 +112,7 @@ def test_state_from_another_plugin_is_refused_clearly():
 
 
 def test_bf16_on_cuda_without_bf16_support_would_fail_clearly(monkeypatch):
-    from lightning_mp.plugin import _check_device_supports
+    from lightning_mp.formats import check_device_supports as _check_device_supports
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "an old GPU")

@@ -200,7 +200,7 @@ def test_fsdp_strategy_refuses_the_plugin_at_construction_naming_what_to_use():
 
 
 def test_a_device_without_autocast_fails_at_setup():
-    from lightning_mp.plugin import _check_device_supports
+    from lightning_mp.formats import check_device_supports as _check_device_supports
     from lightning_mp.formats import resolve_precision
 
     with pytest.raises(RuntimeError, match=r"precision='bf16'.*'meta'.*HINT"):

@@ -358,3 +358,14 @@ def test_emulated_convolution_backward_with_reused_buffers_matches_fresh_copies(
         assert torch.equal(x.grad, ref_gx)
         conv.weight.grad = None
     assert mode.staging._free  # the large operands went through the pool
+
+
+def test_a_pickled_or_copied_staging_starts_empty():
+    import copy
+    import pickle
+
+    staging = ge._Staging()
+    _, buf = staging.take(torch.randn(1024, 512).half())
+    staging.give([buf], None)
+    for clone in (pickle.loads(pickle.dumps(staging)), copy.deepcopy(staging)):
+        assert clone._free == [] and clone.take(torch.randn(1024, 512).half())[1] is not None
