@@ -47,18 +47,19 @@ def _real_dense(t: Tensor) -> Tensor:
 
 
 def _cpu_non_finite(t: Tensor) -> str | None:
-    """'nan' / 'inf' / '-inf' if the CPU tensor ``t`` holds one, else None; usually one ``sum`` pass.
+    """'nan' / 'inf' / '-inf' if the CPU tensor ``t`` holds one, else None: one read of ``t``, no temporary.
 
-    inf and NaN propagate through a sum (inf + -inf is NaN), so a finite sum proves every element finite. The sum
-    accumulates and returns FP32, so a finite FP16 tensor's sum cannot overflow (at most 65504 x numel); a bf16 or
-    FP32 one can, and any non-finite sum is confirmed element by element with ``aminmax`` before it counts. One
-    flat pass: on a 512x32x8x8 FP16 activation, 1 thread, 0.11 ms, where summing the rows first took 0.74 ms.
+    inf and NaN propagate through a sum (inf + -inf is NaN), so a finite sum proves every element finite; a sum
+    accumulates in FP32 and, for bf16 and FP32, has FP32's range, so a finite tensor's sum overflows only near
+    3.4e38 and a non-finite sum is confirmed element by element with ``aminmax`` before it counts. FP16's sum would
+    round to FP16 and pass 65504 where no element does, and asking for an FP32 sum makes torch copy the tensor to
+    FP32 first (a new buffer, fresh pages: 13 ms per step of the demo ResNet at batch 512), so FP16 is read with
+    ``aminmax`` directly (about twice a sum's time, no copy).
     """
     t = t.detach()
     if t.numel() == 0:
         return None
-    total = t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum()
-    if math.isfinite(total.item()):
+    if t.dtype != torch.float16 and math.isfinite(t.sum().item()):
         return None
     return _non_finite([float(v) for v in torch.aminmax(t)])
 

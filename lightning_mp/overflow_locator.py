@@ -74,18 +74,22 @@ class OverflowLocator:
             module docstring: one more read of every activation gradient). ``False`` checks parameter gradients
             only: a parameter-free module whose backward overflows is then named by the nearest parameter before
             it.
+        forward: check forward outputs (default). ``False`` starts with gradient checks only, one read of every
+            activation less per step; set :attr:`check_forward` to turn the forward checks on later.
 
     Call :meth:`begin_step` at the start of every training step (before the first forward; under gradient
     accumulation, once per optimizer step), :meth:`report` after a step whose gradients were non-finite, and
     :meth:`remove` to take the hooks off.
     """
 
-    def __init__(self, model: nn.Module, input_grads: bool = True) -> None:
+    def __init__(self, model: nn.Module, input_grads: bool = True, forward: bool = True) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model={model!r} is not allowed: pass the torch.nn.Module to watch.")
-        if not isinstance(input_grads, bool):
-            raise ValueError(f"input_grads={input_grads!r} is not allowed: use True or False.")
+        for name, value in (("input_grads", input_grads), ("forward", forward)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} is not allowed: use True or False.")
         self.input_grads = input_grads
+        self.check_forward = forward
         self._names: list[str] = []
         self._types: list[str] = []
         self._handles: list[Any] = []
@@ -141,7 +145,7 @@ class OverflowLocator:
         def hook(module: nn.Module, args: tuple) -> tuple | None:
             # inside a torch.compile'd region the hooks step aside (Dynamo would trace the bookkeeping): compiled
             # modules are located by the eager modules around them and by their parameters' gradients
-            if not torch.is_grad_enabled() or not self._recording or torch.compiler.is_compiling():
+            if not (self.check_forward and torch.is_grad_enabled() and self._recording) or torch.compiler.is_compiling():
                 return None
             with _bare():
                 floats = tuple(a for a in args if isinstance(a, Tensor) and a.is_floating_point())

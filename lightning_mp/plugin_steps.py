@@ -48,6 +48,8 @@ class StepHooks:
         if self._step.in_progress and self._step.skipping:
             report = self._locator.report() if self._locator is not None else None
             self._last_overflow = report or self._last_overflow
+            if self._locator is not None:
+                self._locator.check_forward = True  # bf16/fp32 arm their forward checks at the first skip
             if _rank_zero():
                 where = f": {report}" if report is not None else ""
                 log.warning(f"step {self._global_step()} skipped (loss scale {self.loss_scale:g}){where}")

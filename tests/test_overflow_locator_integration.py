@@ -104,3 +104,24 @@ def test_lbfgs_steps_reset_the_locator_every_step():
     fit(TinyRegressor(optimizer="lbfgs"), plugin, max_steps=3)
     assert plugin.skipped_steps == 0 and plugin.last_overflow is None
     assert not plugin._locator._records and not plugin._locator._found
+
+
+def test_bf16_arms_its_forward_checks_at_the_first_skip_and_names_the_module_from_the_next(caplog):
+    """bf16 starts with gradient checks only (no read of every activation); a forward inf in bf16 is named by the
+    gradient it reaches on the first skip, by its own module from the second skip on, and the run stops naming it."""
+    plugin = MixedPrecisionPlugin("bf16", max_consecutive_skips=2)
+    with caplog.at_level(logging.WARNING, logger="lightning_mp.plugin"), pytest.raises(FloatingPointError) as err:
+        fit(Middle(Scale(float("inf"))), plugin, max_steps=4)
+    assert plugin.skipped_steps == 2 and plugin._locator.check_forward
+    first, second = (r.getMessage() for r in caplog.records)
+    assert first.startswith("step 0 skipped (loss scale 1): backward overflow in `net.3` (Linear)")  # its inputs
+    assert second.startswith("step 1 skipped (loss scale 1): forward overflow in `net.1` (Scale)")
+    report = plugin.last_overflow
+    assert (report.phase, report.module, report.module_type) == ("forward", "net.1", "Scale")
+    assert "Where it first went non-finite: forward overflow in `net.1` (Scale)" in str(err.value)
+
+
+def test_bf16_clean_steps_read_no_activation():
+    plugin = MixedPrecisionPlugin("bf16")
+    fit(Middle(Scale(2.0)), plugin)
+    assert plugin.skipped_steps == 0 and not plugin._locator.check_forward and not plugin._locator._known
