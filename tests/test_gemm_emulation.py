@@ -299,3 +299,73 @@ def test_the_probe_leaves_the_thread_count_as_it_was():
     threads = torch.get_num_threads()
     assert gs._probe_slowdown(torch.float16) > 0
     assert torch.get_num_threads() == threads
+
+
+# ------------------------------------------------------------------------------------------------ staging buffers
+def test_staging_reuses_its_fp32_buffers_and_keeps_a_bounded_few():
+    """Large up-cast operands land in reused buffers (no fresh pages per op), at most KEEP of them stay."""
+    staging = ge._Staging()
+    x = torch.randn(512, 1024).half()  # 2 MiB in FP32: pooled
+    first, buf = staging.take(x)
+    assert buf is not None and first.dtype == torch.float32 and torch.equal(first, x.float())
+    staging.give([buf], None)
+    second, buf2 = staging.take(x[:256])  # a smaller operand fits in the same buffer
+    assert buf2.data_ptr() == buf.data_ptr() and torch.equal(second, x[:256].float())
+    staging.give([buf2], None)
+    for n in range(1, 8):  # many distinct sizes at once: only the largest KEEP stay
+        staging.give([torch.empty(n * 2**18)], None)
+    assert len(staging._free) == staging.KEEP
+    assert min(b.numel() for b in staging._free) == (8 - staging.KEEP) * 2**18
+
+
+def test_staging_keeps_strides_and_skips_small_or_overlapping_operands():
+    staging = ge._Staging()
+    x = torch.randn(1024, 768).half()
+    for view in (x.t(), x.view(1024, 12, 64).permute(1, 0, 2), torch.randn(64, 16, 32, 32).half().to(
+            memory_format=torch.channels_last)):  # fmt: skip
+        up, buf = staging.take(view)
+        assert buf is not None and up.stride() == view.stride() and torch.equal(up, view.float())
+        staging.give([buf], None)
+    small, buf = staging.take(torch.randn(16, 16).half())
+    assert buf is None and small.dtype == torch.float32
+    expanded, buf = staging.take(torch.randn(1, 768).half().expand(1024, 768))  # stride 0: not dense
+    assert buf is None and expanded.shape == (1024, 768)
+
+
+def test_a_buffer_an_output_lives_in_is_not_reused():
+    staging = ge._Staging()
+    _, buf = staging.take(torch.randn(1024, 512).half())
+    staging.give([buf], buf[:10].view(2, 5))  # an op returned a view of its operand
+    assert staging._free == []
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_emulated_convolution_backward_with_reused_buffers_matches_fresh_copies(dtype):
+    """Three steps through the same staging (buffers reused, a smaller batch in between) give the same bits as
+    the op computed on fresh FP32 copies."""
+    conv = nn.Conv2d(16, 16, 3, padding=1, bias=False).to(dtype)
+    mode = EmulatedGemmMode(dtype)
+    for batch in (64, 32, 64):
+        x = torch.randn(batch, 16, 16, 16).to(dtype).requires_grad_()
+        with mode:
+            y = conv(x)
+            y.backward(torch.ones_like(y))
+        ref_y = F.conv2d(x.detach().float(), conv.weight.detach().float(), padding=1).to(dtype)
+        assert torch.equal(y, ref_y)
+        ref_gx = torch.ops.aten.convolution_backward(
+            torch.ones_like(y).float(), x.detach().float(), conv.weight.detach().float(), None, [1, 1], [1, 1],
+            [1, 1], False, [0, 0], 1, [True, False, False])[0].to(dtype)  # fmt: skip
+        assert torch.equal(x.grad, ref_gx)
+        conv.weight.grad = None
+    assert mode.staging._free  # the large operands went through the pool
+
+
+def test_a_pickled_or_copied_staging_starts_empty():
+    import copy
+    import pickle
+
+    staging = ge._Staging()
+    _, buf = staging.take(torch.randn(1024, 512).half())
+    staging.give([buf], None)
+    for clone in (pickle.loads(pickle.dumps(staging)), copy.deepcopy(staging)):
+        assert clone._free == [] and clone.take(torch.randn(1024, 512).half())[1] is not None

@@ -33,9 +33,9 @@ def emulated_calls(monkeypatch):
     calls: list[str] = []
     real = ge._emulate
 
-    def spy(func, dtype, args, kwargs):
+    def spy(func, dtype, args, kwargs, staging):
         calls.append(func.overloadpacket.__name__)
-        return real(func, dtype, args, kwargs)
+        return real(func, dtype, args, kwargs, staging)
 
     monkeypatch.setattr(ge, "_emulate", spy)
     return calls
