@@ -187,6 +187,24 @@ def test_fused_inference_kernels_are_emulated(dtype):
     assert (out.double() - native.double()).abs().max() <= 4 * torch.finfo(dtype).eps * native.double().abs().max()
 
 
+@pytest.mark.parametrize("dtype", HALF)
+def test_inference_mode_emulates_composite_ops_like_no_grad(dtype):
+    """Under inference_mode (Lightning's validate/test/predict) conv2d, linear and matmul reach the mode whole; they
+    are decomposed under it, so their GEMMs still run in FP32, with the same bits as under no_grad."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 10)).to(dtype).eval()
+    x = _t(4, 3, 8, 8, dtype=dtype, seed=3, grad=False)
+    results = {}
+    for ctx in (torch.no_grad, torch.inference_mode):
+        recorder = Recorder()
+        with ctx(), recorder, EmulatedGemmMode(dtype):
+            results[ctx] = torch.matmul(model(x), _t(10, 5, dtype=dtype, seed=4, grad=False))
+        gemms = recorder.gemms()
+        assert [name for name, _ in gemms] == ["convolution", "addmm", "mm"]
+        assert all(dtypes == {torch.float32} for _, dtypes in gemms)
+    assert results[torch.inference_mode].dtype == dtype
+    assert torch.equal(results[torch.no_grad], results[torch.inference_mode])
+
+
 def test_saved_activations_stay_16_bit():
     """Autograd saves what the op it records gets: the 16-bit tensors, as without emulation."""
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 10)).to(torch.float16)

@@ -117,6 +117,21 @@ def test_emulated_run_keeps_16_bit_activations_and_gradients_and_trains(emulated
     assert all(p.dtype == torch.float32 for p in model.parameters())  # FP32 values after the run, as always
 
 
+class ConvAttentionWithEval(ConvAttention):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.mse_loss(self(batch[0]).float(), batch[1]))
+
+
+def test_validate_under_inference_mode_still_emulates_every_gemm(emulated_calls):
+    """Lightning validates under torch.inference_mode, where conv2d and linear reach the mode whole: they are
+    decomposed there, so validation runs the same FP32 GEMMs as training (not torch's slow 16-bit fallback)."""
+    model = ConvAttentionWithEval()
+    trainer = L.Trainer(**trainer_kwargs(plugins=[MixedPrecisionPlugin("fp16", gemm="emulated")]))
+    loss = trainer.validate(model, data(), verbose=False)[0]["val_loss"]
+    assert {"convolution", "addmm", "_scaled_dot_product_flash_attention_for_cpu"} <= set(emulated_calls)
+    assert torch.isfinite(torch.tensor(loss)) and model.activation_dtypes == {torch.float16}
+
+
 def test_native_run_enters_no_emulation(emulated_calls):
     fit(MixedPrecisionPlugin("bf16", gemm="native"), epochs=1)
     assert emulated_calls == []
