@@ -2,6 +2,7 @@
 
     python examples/train_resnet.py                                   # every row: ~45 s on a quiet 2-core CPU
     python examples/train_resnet.py --runs fp32 bf16 --max-steps 30   # a quick look
+    python examples/train_resnet.py --repeats 3                       # wall time: median of 3, order alternating
 
 The images are scikit-learn's handwritten digits (1,797 real 8x8 scans, shipped inside its wheel, no download),
 upsampled to 16x16; the model is a ResNet-14 (width 16, BatchNorm after every convolution); see
@@ -30,6 +31,7 @@ import json
 import os
 import itertools
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -214,10 +216,12 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=512, help="images per step (default 512)")
     parser.add_argument("--output", type=Path, default=Path("runs/resnet"), help="directory for tables and logs")
     parser.add_argument("--timeout", type=float, default=None, help="seconds after which one row is stopped")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every row this many times, alternating the order; wall time is the median")  # fmt: skip
     parser.add_argument("--one", choices=RUNS, help=argparse.SUPPRESS)  # a row's subprocess
     parser.add_argument("--summary", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for flag, value in (("--max-steps", args.max_steps), ("--batch-size", args.batch_size)):
+    for flag, value in (("--max-steps", args.max_steps), ("--batch-size", args.batch_size), ("--repeats", args.repeats)):
         if value < 1:
             parser.error(f"{flag}={value!r} must be >= 1")
     return args
@@ -229,24 +233,38 @@ def main(argv: Optional[list[str]] = None) -> int:
         result = train_one(args.one, args.max_steps, args.batch_size, args.output / "tensorboard")
         args.summary.write_text(json.dumps(result, indent=1))
         return 0
-    start, rows = time.perf_counter(), []
+    start = time.perf_counter()
     runs = args.runs or list(RUNS)
     # our fp16 emulates its GEMMs and convolutions where the CPU has no FP16 arithmetic (gemm="auto"); Lightning's not
     skip = set() if args.runs or cpu_has_fp16_math() else {"native-16-mixed"}
     if skip:
         print(f"skipping {', '.join(sorted(skip))}: this CPU has no FP16 arithmetic, so its FP16 convolutions run "
               "~50x slower than FP32; name it in --runs to run it anyway", flush=True)  # fmt: skip
-    for i, name in enumerate(runs, 1):
-        if name in skip:
-            rows.append({"precision": name, "status": "skipped: no fp16 math on this CPU"})
-            continue
-        print(f"[{i}/{len(runs)}] {name} ...", flush=True)
-        summary, status = run_row(name, args)
-        rows.append({**(summary or {"precision": name}), "status": status})
-        print(f"[{i}/{len(runs)}] {name}: {status}", flush=True)
+    walls: dict[str, list[float]] = {name: [] for name in runs}
+    results: dict[str, dict[str, Any]] = {}
+    for rep in range(args.repeats):
+        # every other repeat runs the rows in reverse, so no row always follows the same one
+        for i, name in enumerate(runs if rep % 2 == 0 else runs[::-1], 1):
+            if name in skip:
+                results[name] = {"precision": name, "status": "skipped: no fp16 math on this CPU"}
+                continue
+            tag = f"[{rep + 1}/{args.repeats}, {i}/{len(runs)}]" if args.repeats > 1 else f"[{i}/{len(runs)}]"
+            print(f"{tag} {name} ...", flush=True)
+            summary, status = run_row(name, args)
+            print(f"{tag} {name}: {status}", flush=True)
+            if status != "ok" or results.get(name, {}).get("status", "ok") != "ok":
+                results[name] = {**(summary or {"precision": name}), "status": status}
+                continue
+            walls[name].append(summary["wall_time_s"])
+            results.setdefault(name, {**summary, "status": status})
+    rows = [results[name] for name in runs]
+    for r in rows:
+        if r["status"] == "ok":  # accuracy and memory repeat exactly (same seed, same batches); time does not
+            r["wall_time_s"] = statistics.median(walls[r["precision"]])
     ok = [r for r in rows if r["status"] == "ok"]
     note = (
-        f"ResNet-14 on the digits (16x16), {args.max_steps} steps of {args.batch_size} images per row; CPU "
+        f"ResNet-14 on the digits (16x16), {args.max_steps} steps of {args.batch_size} images per row"
+        f"{f', wall time the median of {args.repeats} alternating runs' if args.repeats > 1 else ''}; CPU "
         f"capability {ok[0]['cpu_capability'] if ok else '?'}, {torch.get_num_threads()} threads, torch "
         f"{torch.__version__}; peak tensors: most bytes in torch's CPU allocator at once over a 3-step fit (profiler), "
         f"parameters included; peak RSS: {ok[0]['peak_kind'] if ok else '?'}; total {time.perf_counter() - start:.0f} s."

@@ -1,0 +1,108 @@
+"""Every command the README documents, as written, is driven by a test with tiny step counts.
+
+The commands are read from the README itself (fenced ``bash`` blocks and inline `` `python ...` `` commands), so a
+new or changed command fails :func:`test_every_readme_command_is_driven` until it is mapped here: either to the
+test elsewhere that already runs it (the examples, the ResNet table, the install and the suite in ``.ci/run``), or
+to the tiny arguments this file appends to run it itself (argparse keeps the last value of a repeated flag, so the
+README's own arguments are all passed and only the sizes shrink).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_GPT = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16", "--batch-size", "2"]
+
+# README command (comments and ``.venv/bin/`` stripped) -> "tests/<file>.py::<test>" that runs it
+DRIVEN_ELSEWHERE = {
+    'python3 -m venv .venv && pip install -c .ci/constraints.txt -e ".[dev]" && python examples/train_gpt.py':
+        "tests/test_examples.py::test_example_trains_and_logs_the_precision_tags_to_tensorboard",  # + .ci/run
+    "python -m pytest -q": "tests/test_readme_commands.py::test_the_ci_script_runs_the_readme_test_command",
+    "python examples/train_gpt.py --precision fp16":
+        "tests/test_examples.py::test_example_trains_and_logs_the_precision_tags_to_tensorboard",
+    "python examples/train_gpt.py --config examples/configs/gpt_fp16.yaml":
+        "tests/test_examples.py::test_example_trains_and_logs_the_precision_tags_to_tensorboard",
+    "python benchmarks/compare_precisions.py --max-steps 30 --output runs/compare":
+        "tests/test_examples.py::test_compare_precisions_writes_one_row_per_run",
+    "python benchmarks/compare_precisions.py --max-steps 800 --output runs/compare":
+        "tests/test_examples.py::test_compare_precisions_writes_one_row_per_run",
+    "python examples/train_resnet.py": "tests/test_demos_resnet.py::test_example_table_with_tiny_runs",
+    "python examples/train_resnet.py --runs fp32 bf16 --max-steps 30":
+        "tests/test_demos_resnet.py::test_example_table_with_tiny_runs",
+}  # fmt: skip
+
+# README command -> (arguments appended to make it tiny, a line its output must contain)
+RUN_HERE = {
+    "tensorboard --logdir runs/gpt": (["--version_tb"], ""),
+    "tensorboard --logdir runs/resnet/tensorboard": (["--version_tb"], ""),
+    "python benchmarks/gpt_run.py --precision fp16 --native": (
+        ["--trainer.max_steps", "2", "--model.n_layer", "1", "--model.n_embd", "32", "--model.n_head", "2",
+         "--data.block_size", "16", "--data.batch_size", "2", "--data.max_bytes", "65536",
+         "--data.max_val_batches", "1", "--trainer.enable_progress_bar", "false"],
+        "[native-16-mixed] 2 steps",
+    ),
+    "python benchmarks/benchmark.py": (["--rounds", "1", "--steps", "2", "--warmup", "1", "--only", "bf16-mixed",
+                                        *TINY_GPT], "RATIO ours / native, bf16"),
+    'python benchmarks/benchmark.py --only "no overflow locator" ActivationRangeMonitor --rounds 3 --steps 10 '
+    "--clock cpu --threads 1": (["--rounds", "1", "--steps", "2", "--warmup", "1", *TINY_GPT],
+                                "RATIO overflow locator on (default) / off, fp16"),
+    "python benchmarks/memory_benchmark.py": (["--n-layer", "1", "--n-embd", "32", "--block-size", "16",
+                                               "--batch-size", "2", "--steps", "2"], "lightning_mp bf16"),
+    "python benchmarks/fabric_benchmark.py": (["--rounds", "1", "--steps", "1", "--warmup", "1", "--batch-size", "2",
+                                               "--block-size", "16", "--n-layer", "1", "--n-embd", "32"], "|"),
+    "python benchmarks/fsdp_benchmark.py --rounds 6 --steps 10": (["--rounds", "1", "--steps", "2", "--warmup", "1"],
+                                                                   "vs FSDP2 bf16 policy"),
+}  # fmt: skip
+
+
+def readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    found = []
+    for block in re.findall(r"```(?:bash|sh)\n(.*?)```", text, re.S):
+        found += [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    found += re.findall(r"`((?:\.venv/bin/)?python3? (?:examples|benchmarks|docs|scripts)/[^`]+)`", text)
+    return sorted({cmd.replace(".venv/bin/", "") for cmd in found})
+
+
+def test_every_readme_command_is_driven():
+    commands = readme_commands()
+    assert len(commands) >= 10  # the parser still finds the README's commands
+    undriven = [c for c in commands if c not in DRIVEN_ELSEWHERE and c not in RUN_HERE]
+    assert not undriven, f"README commands no test runs (map them in {Path(__file__).name}): {undriven}"
+    stale = sorted((set(DRIVEN_ELSEWHERE) | set(RUN_HERE)) - set(commands))
+    assert not stale, f"mapped commands no longer in the README: {stale}"
+    for target in set(DRIVEN_ELSEWHERE.values()):  # the named tests exist
+        path, name = target.split("::")
+        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        assert callable(getattr(module, name, None)), target
+
+
+def test_the_ci_script_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert ".venv/bin/python -m pytest -q" in readme and "-m pytest -q" in ci
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", sorted(RUN_HERE))
+def test_readme_command_runs_at_a_tiny_size(command, tmp_path):
+    extra, expected = RUN_HERE[command]
+    argv = shlex.split(command)
+    if argv[0] == "tensorboard":
+        argv = [str(Path(sys.executable).with_name("tensorboard"))] + argv[1:]
+    else:
+        argv = [sys.executable, str(ROOT / argv[1])] + argv[2:]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(argv + extra, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert expected in output, output[-3000:]
