@@ -45,6 +45,9 @@ fi
 
 step pytest_cuda 60 "$PY" -m pytest -m cuda -q -p no:cacheprovider
 step benchmark 60 "$PY" benchmarks/benchmark.py --rounds 2 --steps 20 --warmup 5
+# the seed's convnet (ResNet-14 + BatchNorm, batch 512): ours against Lightning's 16-mixed / bf16-mixed on the GPU
+step benchmark_resnet 60 "$PY" benchmarks/benchmark.py --model resnet --only bf16-mixed 16-mixed "no overflow" \
+    --rounds 2 --steps 12 --warmup 4
 
 if "$PY" -c "import jsonargparse" 2>/dev/null; then
     # the same GPT and batch as the CPU table, long enough for the loss to move; 30 s per run at most

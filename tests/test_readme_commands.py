@@ -55,6 +55,11 @@ RUN_HERE = {
     'python benchmarks/benchmark.py --only "no overflow locator" ActivationRangeMonitor --rounds 3 --steps 10 '
     "--clock cpu --threads 1": (["--rounds", "1", "--steps", "2", "--warmup", "1", *TINY_GPT],
                                 "RATIO overflow locator on (default) / off, fp16"),
+    'python benchmarks/benchmark.py --model resnet --only bf16-mixed "bf16, no overflow"': (
+        ["--rounds", "1", "--steps", "2", "--warmup", "1", "--batch-size", "16"], "RATIO ours / native, bf16"),
+    "python examples/train_resnet.py --repeats 3": (
+        ["--runs", "fp32", "--max-steps", "2", "--batch-size", "16", "--repeats", "2", "--output", "out"],
+        "wall time the median of 2 alternating runs"),
     "python benchmarks/memory_benchmark.py": (["--n-layer", "1", "--n-embd", "32", "--block-size", "16",
                                                "--batch-size", "2", "--steps", "2"], "lightning_mp bf16"),
     "python benchmarks/fabric_benchmark.py": (["--rounds", "1", "--steps", "1", "--warmup", "1", "--batch-size", "2",
