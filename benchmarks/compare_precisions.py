@@ -177,7 +177,8 @@ def table_rows(results: list[tuple[str, Optional[dict[str, Any]], str]]) -> list
         row["precision"] = name
         if summary is not None:
             row.update({k: summary.get(k) for k in row if k in summary and k != "precision"})
-            row["peak_memory_mib"] = summary["peak_memory_bytes"] / 2**20
+            peak = summary["peak_memory_bytes"]
+            row["peak_memory_mib"] = peak / 2**20 if peak is not None else None
             if base and base.get("tokens_per_s") and summary.get("tokens_per_s"):
                 row["speedup_vs_fp32"] = summary["tokens_per_s"] / base["tokens_per_s"]
             row["peak_memory_kind"] = summary.get("peak_memory_kind")

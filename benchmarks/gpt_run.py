@@ -36,13 +36,17 @@ from __future__ import annotations
 
 import importlib
 import json
-import resource
 import sys
 import time
 import warnings
 from collections import deque
 from pathlib import Path
 from typing import Any, Optional
+
+try:
+    import resource  # POSIX only: the process's peak RSS
+except ImportError:  # e.g. Windows: the peak RSS columns stay empty
+    resource = None
 
 import lightning as L
 import torch
@@ -224,9 +228,11 @@ def _device_type(accelerator: Any) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def peak_memory(device: torch.device) -> tuple[int, str]:
+def peak_memory(device: torch.device) -> tuple[int | None, str]:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
+    if resource is None:
+        return None, "unavailable (no resource module)"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux, bytes on macOS
     return (rss if sys.platform == "darwin" else rss * 1024), "process_peak_rss"
 

@@ -20,9 +20,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import resource
 import subprocess
 import sys
+
+try:
+    import resource  # POSIX only: the process's peak RSS
+except ImportError:  # e.g. Windows: the peak RSS columns stay empty
+    resource = None
 
 VARIANTS = ["plain fp32", "native bf16-mixed", "lightning_mp bf16", "native 16-mixed", "lightning_mp fp16"]
 
@@ -80,10 +84,17 @@ def worker(variant: str, args: argparse.Namespace) -> dict:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     gc.collect()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = _maxrss_mib()
     trainer.fit(model, data)
-    result["peak_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # KiB on Linux
+    result["peak_mib"] = _maxrss_mib() - before if resource is not None else None
     return result
+
+
+def _maxrss_mib() -> float:
+    if resource is None:
+        return 0.0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
 def main(argv=None) -> list[dict]:
@@ -115,7 +126,9 @@ def main(argv=None) -> list[dict]:
     print("| variant | model-state bytes/param | peak training memory (MiB) | vs bf16-mixed |")
     print("|---|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['variant']} | {r['state_bytes_per_param']:.2f} | {r['peak_mib']:.0f} | {r['peak_mib'] / base:.2f} |")
+        peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
+        ratio = "-" if r["peak_mib"] is None or not base else f"{r['peak_mib'] / base:.2f}"
+        print(f"| {r['variant']} | {r['state_bytes_per_param']:.2f} | {peak} | {ratio} |")
     return rows
 
 

@@ -28,15 +28,19 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import itertools
-import resource
+import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+try:
+    import resource  # POSIX only: the process's peak RSS
+except ImportError:  # e.g. Windows: the peak RSS columns stay empty
+    resource = None
 
 import lightning as L
 import torch
@@ -70,22 +74,25 @@ def _status_kib(field: str) -> Optional[int]:
     return None
 
 
-def reset_peak_rss() -> tuple[int, str]:
+def _maxrss() -> Optional[int]:
+    if resource is None:
+        return None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, KiB elsewhere
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def reset_peak_rss() -> tuple[Optional[int], str]:
     """Start a fresh peak; return the RSS now (bytes) and how the peak will be read."""
     try:
         Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM := VmRSS
         return _status_kib("VmRSS") * 1024, "VmHWM after resetting it before fit"
     except (OSError, TypeError):
-        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, KiB elsewhere
-        return (maxrss if sys.platform == "darwin" else maxrss * 1024), "ru_maxrss (not reset)"
+        return _maxrss(), ("ru_maxrss (not reset)" if resource is not None else "unavailable")
 
 
-def peak_rss() -> int:
+def peak_rss() -> Optional[int]:
     hwm = _status_kib("VmHWM")
-    if hwm is not None:
-        return hwm * 1024
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return maxrss if sys.platform == "darwin" else maxrss * 1024
+    return hwm * 1024 if hwm is not None else _maxrss()
 
 
 def cpu_has_fp16_math() -> bool:
@@ -159,8 +166,8 @@ def train_one(name: str, max_steps: int, batch_size: int, log_dir: Path, seed: i
         "precision": name,
         "val_acc": float(val_acc),
         "wall_time_s": wall,
-        "peak_rss_mib": peak / 2**20,
-        "train_rss_mib": (peak - rss_before) / 2**20,
+        "peak_rss_mib": peak / 2**20 if peak is not None else None,
+        "train_rss_mib": (peak - rss_before) / 2**20 if peak is not None and rss_before is not None else None,
         "peak_tensor_mib": peak_tensor_bytes(name, batch_size, seed=seed) / 2**20,
         "skipped_steps": plugin.skipped_steps if ours else None,
         "loss_scale": plugin.loss_scale if ours else (scaler.get_scale() if scaler is not None else None),

@@ -24,7 +24,7 @@ from lightning_mp import ranges_plot
 from lightning_mp.activation_ranges import _ActivationRecorder, _overflow_starts, _Sample
 from lightning_mp.log2_histogram import REFERENCE_FORMAT, histogram_kwargs, reference_scale
 from lightning_mp.loss_scaler import DEFAULT_INIT_SCALE
-from lightning_mp.monitor_base import _logger_step, _PrecisionMonitor
+from lightning_mp.monitor_base import _logger_step, _PrecisionMonitor, histogram_writers, no_histogram_message
 from lightning_mp.validation import check_bool, check_int
 
 _TAG_HISTOGRAM = "precision/activation_log2_magnitude"
@@ -190,16 +190,13 @@ class ActivationRangeMonitor(_PrecisionMonitor):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=sample.step)
 
-        experiments = (getattr(lg, "experiment", None) for lg in trainer.loggers)
-        writers = [w for w in experiments if hasattr(w, "add_histogram_raw")]
+        writers = histogram_writers(trainer.loggers)
         if not writers:
             if not self._warned_histogram:
                 self._warned_histogram = True
-                rank_zero_warn(
-                    f"`{type(self).__name__}` logs the `{_TAG_HISTOGRAM}` histogram and the `{_TAG_IMAGE}` image only "
-                    "to loggers whose experiment has `add_histogram_raw` / `add_image` (TensorBoardLogger); with "
-                    f"{', '.join(type(lg).__name__ for lg in trainer.loggers)} only the scalars are logged."
-                )
+                what = f"the `{_TAG_HISTOGRAM}` histogram and the `{_TAG_IMAGE}` image"
+                rank_zero_warn(no_histogram_message(type(self).__name__, what, "`add_histogram_raw` / `add_image`",
+                                                    "the scalars", trainer.loggers))
             return
         for writer in writers:
             writer.add_histogram_raw(_TAG_HISTOGRAM, global_step=sample.step, **histogram_kwargs(acts.histogram))

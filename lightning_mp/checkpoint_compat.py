@@ -21,8 +21,7 @@ def gradscaler_state(checkpoint: dict[str, Any], own_key: str) -> dict[str, Any]
     """The GradScaler state of a checkpoint that holds none of ours (``own_key``), else None."""
     if own_key in checkpoint:
         return None
-    native = next((checkpoint[k] for k in GRADSCALER_KEYS if isinstance(checkpoint.get(k), dict)), None)
-    return native
+    return next((checkpoint[k] for k in GRADSCALER_KEYS if isinstance(checkpoint.get(k), dict)), None)
 
 
 def is_gradscaler_state(state_dict: dict[str, Any]) -> bool:

@@ -36,7 +36,7 @@ from lightning_mp.log2_histogram import (
     histogram_kwargs,
     reference_scale,
 )
-from lightning_mp.monitor_base import _logger_step, _PrecisionMonitor
+from lightning_mp.monitor_base import _logger_step, _PrecisionMonitor, histogram_writers, no_histogram_message
 from lightning_mp.sharding import local
 from lightning_mp.validation import check_bool, check_int
 
@@ -158,16 +158,12 @@ class GradientRangeMonitor(_PrecisionMonitor):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 
-        experiments = (getattr(lg, "experiment", None) for lg in trainer.loggers)
-        writers = [w for w in experiments if hasattr(w, "add_histogram_raw")]
+        writers = histogram_writers(trainer.loggers)
         if not writers:
             if not self._warned:
                 self._warned = True
-                rank_zero_warn(
-                    f"`{type(self).__name__}` logs the `{_TAG_HISTOGRAM}` histograms only to loggers whose experiment "
-                    "has `add_histogram_raw` (TensorBoardLogger); with "
-                    f"{', '.join(type(lg).__name__ for lg in trainer.loggers)} only the fraction scalars are logged."
-                )
+                rank_zero_warn(no_histogram_message(type(self).__name__, f"the `{_TAG_HISTOGRAM}` histograms",
+                                                    "`add_histogram_raw`", "the fraction scalars", trainer.loggers))
             return
         histograms = {_TAG_HISTOGRAM: [sum(col) for col in zip(*(r.histogram for r in ranges))]}
         if self.per_param:

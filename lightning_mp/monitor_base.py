@@ -1,7 +1,10 @@
 """What the precision monitors share: find the plugin and a logger at ``fit`` setup, count the training steps the
-scaler has seen, and name Lightning's logging step."""
+scaler has seen, name Lightning's logging step, and find the loggers that take histograms."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -59,3 +62,18 @@ def _logger_step(trainer: pl.Trainer) -> int:
     batch whatever the number of optimizers. Lightning has no public name for it; LearningRateMonitor reads the
     same counter. During the batch's hooks it still holds this batch's index (it moves after ``on_train_batch_end``)."""
     return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def histogram_writers(loggers: Iterable[Any]) -> list[Any]:
+    """The loggers' experiments that take raw histograms (TensorBoard's ``SummaryWriter``)."""
+    experiments = (getattr(lg, "experiment", None) for lg in loggers)
+    return [w for w in experiments if hasattr(w, "add_histogram_raw")]
+
+
+def no_histogram_message(owner: str, logs: str, needs: str, still: str, loggers: Iterable[Any]) -> str:
+    """The one warning a monitor gives when no logger takes what it draws; ``still`` is what is logged anyway."""
+    names = ", ".join(type(lg).__name__ for lg in loggers)
+    return (
+        f"`{owner}` logs {logs} only to loggers whose experiment has {needs} (TensorBoardLogger); with {names} "
+        f"only {still} are logged."
+    )

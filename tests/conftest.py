@@ -107,3 +107,14 @@ def regression_data(n=64, batch_size=8, seed=0):
 @pytest.fixture
 def data():
     return regression_data()
+
+
+@pytest.fixture
+def fresh_gemm_detection(monkeypatch):
+    """Forget the per-process 16-bit GEMM verdicts and warnings before and after a test that mocks or probes them."""
+    import lightning_mp.gemm_support as gs
+
+    gs.gemm_support.cache_clear()
+    monkeypatch.setattr(gs, "_warned", set())
+    yield
+    gs.gemm_support.cache_clear()

@@ -204,3 +204,19 @@ def test_example_trains_and_logs_the_precision_tags_to_tensorboard(tmp_path, arg
 def test_example_bad_precision_names_the_allowed_ones(tmp_path):
     proc = run_example(tmp_path, "--precision", "fp8")
     assert proc.returncode != 0 and "precision='fp8' is not supported. Allowed:" in proc.stderr
+
+
+def test_the_harnesses_load_and_report_no_rss_where_resource_is_missing(monkeypatch):
+    """`resource` is POSIX-only: without it (Windows) the scripts still import and leave the RSS figures empty."""
+    import torch
+
+    monkeypatch.setitem(sys.modules, "resource", None)  # `import resource` now raises ImportError
+    gpt_run = _load("gpt_run")
+    assert gpt_run.resource is None
+    assert gpt_run.peak_memory(torch.device("cpu")) == (None, "unavailable (no resource module)")
+    memory = _load("memory_benchmark")
+    assert memory.resource is None and memory._maxrss_mib() == 0.0
+    spec = importlib.util.spec_from_file_location("examples_train_resnet_nores", EXAMPLES / "train_resnet.py")
+    resnet = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(resnet)
+    assert resnet._maxrss() is None

@@ -20,12 +20,7 @@ from tests.test_gemm_support import mock_cpu
 HALF = (torch.bfloat16, torch.float16)
 
 
-@pytest.fixture(autouse=True)
-def fresh_detection(monkeypatch):
-    gs.gemm_support.cache_clear()
-    monkeypatch.setattr(gs, "_warned", set())
-    yield
-    gs.gemm_support.cache_clear()
+pytestmark = pytest.mark.usefixtures("fresh_gemm_detection")
 
 
 

@@ -19,12 +19,7 @@ from lightning_mp import MixedPrecisionPlugin
 from tests.conftest import cuda, trainer_kwargs
 
 
-@pytest.fixture(autouse=True)
-def fresh_detection(monkeypatch):
-    gs.gemm_support.cache_clear()
-    monkeypatch.setattr(gs, "_warned", set())
-    yield
-    gs.gemm_support.cache_clear()
+pytestmark = pytest.mark.usefixtures("fresh_gemm_detection")
 
 
 @pytest.fixture

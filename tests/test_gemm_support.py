@@ -13,12 +13,7 @@ from lightning_mp.gemm_support import gemm_support
 HALF = (torch.bfloat16, torch.float16)
 
 
-@pytest.fixture(autouse=True)
-def fresh_detection(monkeypatch):
-    gemm_support.cache_clear()
-    monkeypatch.setattr(gs, "_warned", set())
-    yield
-    gemm_support.cache_clear()
+pytestmark = pytest.mark.usefixtures("fresh_gemm_detection")
 
 
 def mock_cpu(monkeypatch, onednn: bool, slowdown: float = 20.0):

@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 from lightning_mp.fabric.plugin import MixedPrecisionPlugin
 from lightning_mp.gradient_range_monitor import _TAG_HISTOGRAM
 from lightning_mp.log2_histogram import _measure_on_device, _Pending, _unpack, histogram_kwargs, reference_scale
+from lightning_mp.monitor_base import histogram_writers, no_histogram_message
 
 
 class PrecisionMonitor:
@@ -140,16 +141,12 @@ class PrecisionMonitor:
             self._log_histograms(histograms, step)
 
     def _log_histograms(self, histograms: dict[str, list[int]], step: int) -> None:
-        experiments = (getattr(lg, "experiment", None) for lg in self._fabric.loggers)
-        writers = [w for w in experiments if hasattr(w, "add_histogram_raw")]
+        writers = histogram_writers(self._fabric.loggers)
         if not writers and not self._warned:
             self._warned = True
-            names = ", ".join(type(lg).__name__ for lg in self._fabric.loggers)
-            warnings.warn(
-                f"PrecisionMonitor logs the `{_TAG_HISTOGRAM}` histograms only to loggers whose experiment has "
-                f"`add_histogram_raw` (TensorBoardLogger); with {names} only the fraction scalars are logged.",
-                stacklevel=3,
-            )
+            message = no_histogram_message("PrecisionMonitor", f"the `{_TAG_HISTOGRAM}` histograms",
+                                           "`add_histogram_raw`", "the fraction scalars", self._fabric.loggers)
+            warnings.warn(message, stacklevel=3)
         for writer in writers:
             for tag, counts in histograms.items():
                 writer.add_histogram_raw(tag, global_step=step, **histogram_kwargs(counts))
