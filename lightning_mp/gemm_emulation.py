@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -89,11 +90,11 @@ class _Staging:
     touch. Emulation makes two or three large FP32 copies per op where FP32 training makes none, and each one freed
     and allocated again paid those faults: on this ResNet's 512x16x16x16 activations, 1 thread, a convolution
     backward took 13.6 ms on tensors already in memory and 23.6 ms on three fresh copies of them. In a fresh process
-    (as a real run is) reusing the copies took the demo ResNet's fp16 step from 201 to 129 ms median (FP32: 110 ms);
-    a process whose heap earlier runs had already grown showed no difference.
+    (as a real run is) reusing the copies took the demo ResNet's fp16 step from 201 to 139-148 ms median (FP32:
+    110-124 ms; `AVX512` CPU, 2 threads); a process whose heap earlier runs had grown showed no difference.
 
-    Cost: at most :attr:`KEEP` flat buffers stay allocated between ops, the largest operands seen (4 bytes per
-    element; ~10 MiB more at the ResNet's peak); operands under :attr:`MIN_BYTES` (served from malloc's heap
+    Cost: at most :attr:`KEEP` flat buffers stay allocated between the ops of one forward or one backward, the
+    largest operands seen (4 bytes per element; ~10 MiB more at the ResNet's peak), and none between steps; operands under :attr:`MIN_BYTES` (served from malloc's heap
     without faults) are copied as before. The FP32 results of the ops are new tensors (no ``out=`` for
     convolutions) and still pay them.
     """
@@ -121,6 +122,11 @@ class _Staging:
         view = buf.as_strided(x.size(), x.stride())  # dense and non-overlapping: exactly n elements from 0
         view.copy_(x)
         return view, buf
+
+    def clear(self) -> None:
+        """Let the buffers go (at the end of each forward and each backward): none are held between steps."""
+        with self._lock:
+            self._free.clear()
 
     def give(self, bufs: list[Tensor], out) -> None:
         """Return ``bufs`` for reuse, except any an output of the op lives in (then it is the output's now)."""
@@ -229,7 +235,15 @@ class GemmEmulation:
 
     def context(self) -> contextlib.AbstractContextManager:
         """The mode where emulation is in force, else a no-op (native runs pay nothing)."""
-        return EmulatedGemmMode(self.dtype, self._staging) if self.emulated else contextlib.nullcontext()
+        return self._emulating() if self.emulated else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _emulating(self) -> Iterator[None]:
+        try:
+            with EmulatedGemmMode(self.dtype, self._staging):
+                yield
+        finally:
+            self._staging.clear()  # reused within one forward or one backward, released between them
 
     def describe(self) -> str:
         """One line: which GEMMs are in force and why."""

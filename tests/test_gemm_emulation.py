@@ -263,7 +263,10 @@ def test_the_knob_decides(monkeypatch, gemm, native, emulated):
         warnings.simplefilter("ignore")
         line = g.setup("cpu", torch.float16)
     assert g.emulated is emulated
-    assert isinstance(g.context(), EmulatedGemmMode if emulated else contextlib.nullcontext)
+    recorder = Recorder()
+    with recorder, g.context():
+        torch.mm(torch.ones(4, 4, dtype=torch.float16), torch.ones(4, 4, dtype=torch.float16))
+    assert recorder.gemms() == [("mm", {torch.float32 if emulated else torch.float16})]
     assert line == g.describe() and f"gemm={gemm!r}" in line
     assert ("emulated (FP32 GEMMs on fp16 operands" in line) is emulated
     assert (g.support.reason in line) and (("native fp16 kernels" in line) is not emulated)
@@ -371,6 +374,17 @@ def test_emulated_convolution_backward_with_reused_buffers_matches_fresh_copies(
         assert torch.equal(x.grad, ref_gx)
         conv.weight.grad = None
     assert mode.staging._free  # the large operands went through the pool
+
+
+def test_the_run_context_releases_its_buffers_on_exit():
+    """Buffers are reused within one forward or one backward; none stay allocated between steps."""
+    g = GemmEmulation("emulated")
+    g.setup("cpu", torch.float16)
+    x = torch.randn(1024, 512).half()
+    with g.context():
+        torch.mm(x, x.t())
+        assert g._staging._free  # kept for the next op of this pass
+    assert g._staging._free == []
 
 
 def test_a_pickled_or_copied_staging_starts_empty():
