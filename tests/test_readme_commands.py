@@ -38,6 +38,7 @@ DRIVEN_ELSEWHERE = {
     "python examples/train_resnet.py": "tests/test_demos_resnet.py::test_example_table_with_tiny_runs",
     "python examples/train_resnet.py --runs fp32 bf16 --max-steps 30":
         "tests/test_demos_resnet.py::test_example_table_with_tiny_runs",
+    "python benchmarks/zoo.py": "tests/test_zoo.py::test_quick_zoo_prints_one_row_of_positive_times_and_ratios_per_model",
 }  # fmt: skip
 
 # README command -> (arguments appended to make it tiny, a line its output must contain)

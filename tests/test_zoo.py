@@ -1,0 +1,84 @@
+"""benchmarks/zoo.py at its --quick size: the header names the CPU capability and versions, the table has one row
+per model with positive step times and ratios; a variant that raises is reported in its row and the zoo goes on;
+without transformers its models are skipped with one line."""
+
+import importlib.util
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ZOO = Path(__file__).resolve().parents[1] / "benchmarks" / "zoo.py"
+NUMBER = r"(\d+\.\d+)"
+
+
+def _table(output: str) -> tuple[list[str], dict[str, list[str]]]:
+    lines = [line for line in output.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines[1:])}
+    return header, rows
+
+
+@pytest.fixture
+def zoo():
+    spec = importlib.util.spec_from_file_location("benchmarks_zoo", ZOO)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads, level = torch.get_num_threads(), logging.getLogger("lightning.pytorch").level
+    yield module
+    torch.set_num_threads(threads)  # main() sets the process's threads and quiets Lightning's logger
+    logging.getLogger("lightning.pytorch").setLevel(level)
+
+
+@pytest.mark.slow
+def test_quick_zoo_prints_one_row_of_positive_times_and_ratios_per_model(tmp_path):
+    models = ["gpt", "gpt2-2x64" if importlib.util.find_spec("transformers") else "encoder"]
+    path = os.pathsep.join(filter(None, [str(ZOO.parents[1]), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
+    proc = subprocess.run([sys.executable, str(ZOO), "--quick", "--rounds", "2", "--models", *models], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert f"CPU capability: {torch.backends.cpu.get_cpu_capability()}" in output
+    assert f"torch {torch.__version__}" in output and "1 thread(s)" in output
+    header, rows = _table(proc.stdout)
+    assert header == ["model", "fp32 ms", "bf16-mixed ms", "ours bf16 ms", "ours fp16 ms",
+                      "ours bf16 / bf16-mixed (CPU)", "ours bf16 / bf16-mixed (wall)",
+                      "ours fp16 / fp32 (CPU)", "ours fp16 / fp32 (wall)"]  # fmt: skip
+    assert list(rows) == models
+    for model, cells in rows.items():
+        for name, cell in zip(header[1:], cells):
+            match = re.match(NUMBER, cell)
+            assert match and float(match.group(1)) > 0, f"{model}, {name}: {cell!r}\n{output[-3000:]}"
+        assert re.fullmatch(rf"{NUMBER} \[{NUMBER}-{NUMBER}\]", cells[4]), cells[4]  # 2 rounds: median [range]
+    assert "ERROR" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_failing_variant_is_reported_in_its_row_and_the_others_are_timed(zoo, monkeypatch, capsys):
+    def broken():
+        raise RuntimeError("boom\nsecond line")
+
+    # no lightning_mp plugin involved: "ours" are stand-ins, one of which raises
+    monkeypatch.setitem(zoo.VARIANTS, "ours bf16", broken)
+    monkeypatch.setitem(zoo.VARIANTS, "ours fp16", lambda: {"precision": "32-true"})
+    zoo.main(["--quick", "--rounds", "2", "--models", "gpt"])
+    output = capsys.readouterr().out
+    header, rows = _table(output)
+    cells = dict(zip(header[1:], rows["gpt"]))
+    assert cells["ours bf16 ms"] == cells["ours bf16 / bf16-mixed (CPU)"] == "error"
+    assert float(cells["fp32 ms"]) > 0 and float(cells["ours fp16 / fp32 (CPU)"].split()[0]) > 0
+    assert "ERROR gpt / ours bf16: RuntimeError: boom\n" in output
+
+
+def test_without_transformers_its_models_are_skipped_with_the_install_hint(zoo, monkeypatch, capsys):
+    monkeypatch.setattr(zoo, "transformers", None)
+    zoo.main(["--quick", "--rounds", "1", "--models", "gpt2-2x64", "llama-2x64"])
+    output = capsys.readouterr().out
+    assert 'skipped gpt2-2x64, llama-2x64: transformers is not installed (pip install -e ".[bench]")' in output
+    assert _table(output)[1] == {}
