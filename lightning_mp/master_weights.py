@@ -1,27 +1,49 @@
-"""FP32 master weights: the model's own parameters are the FP32 masters; forward and backward run on 16-bit copies.
+"""FP32 master weights: the module's Parameters are the FP32 masters at every moment; the forward reads 16-bit copies.
 
 Why masters: an update smaller than half a 16-bit ulp of the weight rounds away. At a weight of 1.0 that is
 anything below 2^-8 in bf16 or 2^-11 in fp16, so ``lr * grad`` of 1e-4 never moves a bf16 weight. The optimizer
 must update FP32 values, and gradients of several micro-batches must be summed in FP32.
 
-The shape chosen here: between steps every parameter *is* its FP32 master (``p.data`` is FP32), so everything
-Lightning and user code do outside the forward/backward sees and changes the exact values: the optimizer and its
-state (created from FP32 parameters, whatever the optimizer does in its constructor), ``state_dict`` and
-checkpoints, ``toggle_optimizer``, ``BaseFinetuning`` and ``add_param_group``, parameters unfrozen mid-fit, weight
-averaging (EMA, SWA), pruning, ``load_state_dict`` mid-fit, clipping, ``grad_norm``. Only for the forward and
-backward of a step does :meth:`swap_in` give each parameter a 16-bit copy (rounded to nearest from its current
-FP32 value); :meth:`swap_out` gives the FP32 value back and folds the 16-bit gradient into the FP32 ``.grad``.
+The invariant: a Parameter is never swapped, re-dtyped or re-pointed. It holds its exact FP32 value whenever user
+code, a callback, a checkpoint, a signal handler or an optimizer can look. The 16-bit copies are tensors of our
+own; only a module's own forward sees them:
 
-Memory per converted parameter at rest: 4 B (FP32 parameter) + 4 B (FP32 gradient) + optimizer state, as in FP32
-training. During forward and backward: +2 B for the 16-bit copy (one flat buffer, freed at swap-out) and the
-16-bit gradients autograd produces until they are folded: the same transient that autocast's weight cache and
-its gradients cost Lightning's ``*-mixed`` plugins. Cost per swap-in: one fused cast-copy of the converted
-parameters (as autocast casts every weight once per forward), plus a host-side loop that sets ``.data``.
+* a forward pre-hook on each module that owns converted parameters puts the copies in the module's instance
+  ``__dict__`` under the parameters' names (instance attributes win over ``nn.Module.__getattr__``, which reads
+  ``_parameters``), and an always-called forward hook takes them out again. So ``self.weight`` inside ``forward``
+  is the 16-bit copy, and ``module.weight``, ``parameters()`` and ``state_dict()`` everywhere else are the FP32
+  Parameters. Activation checkpointing re-runs the forward, and with it the hooks: the recomputation reads the same
+  copies (they are refreshed only when their master changed, never in the middle of a graph).
+* the copies are autograd leaves; after each backward :meth:`MasterWeights.fold_grads` adds their 16-bit gradients
+  into the Parameters' FP32 ``.grad`` and drops them. ``zero_grad``, accumulation, ``retain_graph`` and several
+  backwards through one graph therefore act on the FP32 gradients the user means.
+* anything that reads a Parameter outside its module's forward (a tied output head written as
+  ``x @ self.embed.weight.T``, a method other than ``forward``, ``torch.compile``d code, where the hooks step
+  aside) reads the FP32 Parameter, which autocast casts per use and autograd differentiates into the FP32 ``.grad``:
+  Lightning's ``bf16-mixed`` semantics, also exact.
 
-Writes are never lost: :meth:`swap_in` reads each parameter's *current* ``.data`` (so a ``p.data = ...``
-reassignment, as ``torch.nn.utils.prune.remove`` does, is taken as the new master), and a write to a
-parameter during the 16-bit period (its version counter moved, or its ``.data`` was replaced) is taken into the
-master at swap-out instead of being discarded.
+Refresh (one fused cast-copy, round to nearest): lazily, at the first hooked forward after :meth:`begin` or
+:meth:`mark_stale`, so a write in ``training_step`` before the forward (WGAN's ``p.data.clamp_``) is seen.
+``begin(force=True)`` refreshes every trainable copy (``.data`` writes do not move a tensor's version counter);
+otherwise a copy is refreshed when its master's version counter or storage moved. A frozen parameter's copy is
+therefore made once and reused until its value changes through ordinary tensor ops (``load_state_dict``, writes
+under ``torch.no_grad()``); a write through ``.data`` to a *frozen* parameter is not seen until the next forced
+refresh of that parameter (unfreeze it, or write it under ``torch.no_grad()`` instead).
+
+What is converted: FP32 parameters outside the FP32-kept subtrees (``keep_fp32(module)``: every parameter under a
+kept module stays FP32 and gets no copy, children included), and trainable 16-bit parameters, which get an FP32
+master once, with a warning (the bits already lost stay lost). Frozen 16-bit parameters stay 16-bit (a frozen
+bf16 base costs 2 B/param, as under ``bf16-true``) until they are unfrozen. float64, complex and integer
+parameters keep their dtype and train as under Lightning's own plugin. ``nn.Embedding(max_norm=...)`` renormalises
+its weight in place inside ``forward``, so it reads its FP32 Parameter, as under autocast.
+
+Memory and allocations per converted parameter: 4 B FP32 parameter + 2 B 16-bit copy + 4 B FP32 gradient +
+optimizer state. The copies and the FP32 gradients are views of one flat buffer per device each, allocated when
+the parameter set is built (again only when it changes: lazy parameters materialized, a parameter unfrozen,
+replaced, or moved), so a steady-state step allocates nothing here: the refresh writes into the 16-bit buffer and
+the fold into the FP32 one (at 16.8M parameters a fresh buffer costs 3-5x the copy itself: the kernel zeroes new
+pages). Lightning's ``bf16-mixed`` holds the same 2 B/param of 16-bit weights from the forward to the backward
+(autograd saves autocast's casts); here they also persist between steps.
 """
 
 from __future__ import annotations
@@ -37,176 +59,237 @@ from lightning_mp.formats import HALF_DTYPES
 
 
 class MasterWeights:
-    """Swaps 16-bit working copies in and out of a module's parameters.
+    """FP32 Parameters as masters, 16-bit copies that only the forward reads.
 
     Args:
-        dtype: the 16-bit compute format of the working copies.
-        keep_fp32: ``keep_fp32(module)`` is true for modules whose own parameters stay FP32 (norm layers...).
+        dtype: the 16-bit compute format of the copies.
+        keep_fp32: ``keep_fp32(module)`` is true for modules that compute in FP32 (norm layers...): no parameter
+            in their subtree gets a copy.
+
+    Per step: :meth:`begin` before the step's first forward, :meth:`fold_grads` after each backward,
+    :meth:`mark_stale` after an optimizer step that changed parameters; :meth:`remove` at teardown.
     """
 
     def __init__(self, dtype: torch.dtype, keep_fp32=lambda module: False) -> None:
         self.dtype = dtype
         self._keep_fp32 = keep_fp32
-        self.params: list[nn.Parameter] = []  # converted parameters: FP32 at rest, 16-bit while swapped in
-        self._pending_lazy: list[nn.Parameter] = []  # uninitialized parameters, adopted once materialized
-        self._known: set[nn.Parameter] = set()
-        # while swapped in: per converted param, its FP32 value, its FP32 gradient (or None), and the identity and
-        # version of its 16-bit copy (to notice writes during the forward/backward)
-        self._fp32: list[Tensor] | None = None
-        self._fp32_index: dict[int, Tensor] | None = None
-        self._fp32_grads: list[Tensor | None] = []
-        self._marks: list[tuple[int, int]] = []
-        # parameters whose FP32 gradients an optimizer step has consumed (applied or skipped): dropped at the next
-        # swap-in, since the zero_grad that follows (Lightning's, after the forward; the user's, anywhere in
-        # training_step) finds only the 16-bit gradient slot while the copies are swapped in
-        self._consumed: set[nn.Parameter] = set()
-
-    @property
-    def swapped_in(self) -> bool:
-        return self._fp32 is not None
+        self._roots: list[nn.Module] = []
+        self._handles: list = []
+        self._hooked: set[int] = set()
+        self._built = False
+        # one slot per converted parameter: the Parameter, its copy, its FP32 gradient view, and (data_ptr,
+        # version) of the master at the last refresh (None: stale)
+        self.params: list[nn.Parameter] = []
+        self._copies: list[Tensor] = []
+        self._grad_views: list[Tensor] = []
+        self._seen: list[tuple[int, int] | None] = []
+        self._slot: dict[nn.Parameter, int] = {}
+        # id(module) -> [(name, param, slot)]; slot -1: a parameter to re-examine (lazy, or frozen 16-bit)
+        self._entries: dict[int, list[tuple[str, nn.Parameter, int]]] = {}
+        self._depth: dict[int, int] = {}
+        self._pending = True
+        self._force = True
+        self._warned = False
 
     # ------------------------------------------------------------------ set-up
-    @torch.no_grad()
     def convert(self, module: nn.Module) -> nn.Module:
-        """Choose the parameters that compute in 16 bits; a parameter already in 16 bits gets an FP32 master
-        from its value (the bits already lost stay lost), with one warning."""
-        # a parameter shared with a kept module (a tied embedding and output head) stays FP32 everywhere;
-        # parametrized parameters (spectral_norm...) stay FP32 too: the parametrization computes with FP32
-        # buffers, and autocast rounds its result where a matmul uses it
-        kept = {p for mod in module.modules() if self._keep_fp32(mod) for p in mod.parameters(recurse=False)}
-        kept |= {
-            p
-            for mod in module.modules()
-            if isinstance(mod, nn.utils.parametrize.ParametrizationList)
-            for p in mod.parameters(recurse=False)
-        }
-        pre_cast = []
-        for p in module.parameters():
-            if p in self._known or p in kept:
-                continue
-            if is_lazy(p):
-                self._pending_lazy.append(p)
-                continue
-            if not p.is_floating_point():
-                continue
-            if p.dtype in HALF_DTYPES:
-                pre_cast.append(p.dtype)
-                p.data = p.data.float()
-            elif p.dtype != torch.float32:
-                continue  # float64 parameters are the user's explicit choice
-            self.params.append(p)
-            self._known.add(p)
-        if pre_cast:
-            warnings.warn(
-                f"{len(pre_cast)} parameters were already in {pre_cast[0]} before fit: their FP32 masters "
-                "start from the 16-bit values, so the bits lost in that cast stay lost. HINT: build or load the "
-                "model in FP32 and let MixedPrecisionPlugin make the 16-bit copies; the model is FP32 after fit.",
-                stacklevel=2,
-            )
+        """Watch ``module`` (several calls add several roots). The copies are built at the first forward, on the
+        device the parameters are on by then."""
+        self._roots.append(module)
+        self._built = False
+        self._pending = True
         return module
 
-    def _adopt_materialized(self) -> None:
-        ready = [p for p in self._pending_lazy if not is_lazy(p)]
-        if ready:
-            self._pending_lazy = [p for p in self._pending_lazy if is_lazy(p)]
-            for p in ready:
-                if p.is_floating_point() and p.dtype == torch.float32 and p not in self._known:
-                    self.params.append(p)
-                    self._known.add(p)
+    @torch.no_grad()
+    def _build(self) -> None:
+        """Choose the converted parameters, hook their modules and (re)allocate the flat buffers."""
+        kept: set[nn.Parameter] = set()
+        for root in self._roots:
+            for mod in root.modules():
+                if self._keep_fp32(mod) or isinstance(mod, nn.utils.parametrize.ParametrizationList):
+                    # the whole subtree computes in FP32; parametrizations compute from FP32 originals
+                    kept.update(mod.parameters())
+                elif isinstance(mod, nn.Embedding) and mod.max_norm is not None:
+                    kept.update(mod.parameters(recurse=False))  # renormalises its weight in place in forward
+        params: list[nn.Parameter] = []
+        slot: dict[nn.Parameter, int] = {}
+        entries: dict[int, list[tuple[str, nn.Parameter, int]]] = {}
+        upcast, upcast_dtype = 0, None
+        for root in self._roots:
+            for mod in root.modules():
+                own = []
+                for name, p in mod._parameters.items():
+                    if p is None or p in kept or not (is_lazy(p) or p.is_floating_point()):
+                        continue
+                    if is_lazy(p) or (p.dtype in HALF_DTYPES and not p.requires_grad):
+                        own.append((name, p, -1))  # re-examined when materialized or unfrozen
+                        continue
+                    if p.dtype in HALF_DTYPES:
+                        upcast, upcast_dtype = upcast + 1, p.dtype
+                        p.data = p.data.float()
+                    if p.dtype != torch.float32:
+                        continue  # float64: the user's explicit choice, trained as it is
+                    if p not in slot:
+                        slot[p] = len(params)
+                        params.append(p)
+                    own.append((name, p, slot[p]))
+                if own:
+                    entries[id(mod)] = own
+                    if id(mod) not in self._hooked:
+                        self._hooked.add(id(mod))
+                        self._handles.append(mod.register_forward_pre_hook(self._install))
+                        self._handles.append(mod.register_forward_hook(self._uninstall, always_call=True))
+        if upcast and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"{upcast} trainable parameters were already in {upcast_dtype} before fit: their FP32 masters start from the "
+                "16-bit values, so the bits lost in that cast stay lost. HINT: build or load the model in FP32 and "
+                "let MixedPrecisionPlugin make the 16-bit copies (frozen 16-bit parameters stay 16-bit).",
+                stacklevel=3,
+            )
+        self.params, self._slot, self._entries = params, slot, entries
+        self._copies = _flat_views(params, self.dtype, leaf=True)
+        self._grad_views = _flat_views(params, torch.float32, leaf=False)
+        self._seen = [None] * len(params)
+        self._built = True
+        self._pending = True
 
     # ------------------------------------------------------------------ per step
-    @torch.no_grad()
-    def swap_in(self) -> None:
-        """Give every converted parameter a 16-bit copy of its current FP32 value (idempotent)."""
-        if self._fp32 is not None:
-            return
-        if self._pending_lazy:
-            self._adopt_materialized()
-        params = self.params
-        if not params:
-            return
-        fp32 = [p.data for p in params]
-        consumed, self._consumed = self._consumed, set()
-        self._fp32_grads = [None if p in consumed else p.grad for p in params]
-        copies = _flat_copies(fp32, self.dtype)
-        torch._foreach_copy_(copies, fp32)  # round to nearest, one fused pass
-        marks = []
-        for p, c in zip(params, copies):
-            p.grad = None
-            p.data = c
-            marks.append((c.data_ptr(), p._version))
-        self._marks = marks
-        self._fp32 = fp32
+    def begin(self, force: bool = False) -> None:
+        """A step starts: refresh the copies at the next hooked forward; ``force`` refreshes every trainable one."""
+        if not self._built:
+            self._build()  # hooks the modules; the parameters are on their device by now
+        self._pending = True
+        self._force = self._force or force
+
+    def mark_stale(self, params: Iterable[nn.Parameter]) -> None:
+        """These masters changed (an optimizer stepped them): refresh their copies at the next hooked forward."""
+        slot, seen = self._slot, self._seen
+        for p in params:
+            i = slot.get(p)
+            if i is not None:
+                seen[i] = None
+        self._pending = True
 
     @torch.no_grad()
-    def swap_out(self) -> None:
-        """Give the FP32 values back and fold 16-bit gradients into the FP32 ``.grad`` (idempotent).
+    def _refresh(self) -> None:
+        if not self._built:
+            self._build()
+        force, self._force, self._pending = self._force, False, False
+        copies, seen = self._copies, self._seen
+        dst, src, marks = [], [], []
+        for i, p in enumerate(self.params):
+            mark = (p.data_ptr(), p._version)
+            if seen[i] != mark or (force and p.requires_grad):
+                c = copies[i]
+                if p.dtype != torch.float32 or p.device != c.device:  # moved or re-dtyped: a new parameter set
+                    self._build()
+                    self._force = True
+                    return self._refresh()
+                dst.append(c)
+                src.append(p)
+                marks.append((i, mark))
+        if dst:
+            torch._foreach_copy_(dst, src)  # round to nearest, one fused pass
+            for i, mark in marks:
+                seen[i] = mark
 
-        A parameter without an FP32 gradient gets one from one flat FP32 buffer filled by a fused cast-copy; one
-        with an FP32 gradient from an earlier micro-batch of the window takes a fused mixed-dtype add, so
-        accumulation sums in FP32 (bf16 keeps only 8 significant bits).
-        """
-        fp32 = self._fp32
-        if fp32 is None:
+    def _install(self, module: nn.Module, args) -> None:
+        if torch.compiler.is_compiling():
+            return  # compiled code reads the FP32 Parameters under autocast (bf16-mixed semantics)
+        if self._pending:
+            self._refresh()
+        entries = self._entries.get(id(module))
+        if entries is None:
             return
-        fresh_p, fresh_g, acc, acc_g = [], [], [], []
-        written = []
-        for p, master, grad, (ptr, version) in zip(self.params, fp32, self._fp32_grads, self._marks):
-            g16 = p.grad
-            if p.data_ptr() != ptr or p._version != version:
-                written.append((master, p.data))  # written during the forward/backward: keep that write
-            p.data = master
+        key = id(module)
+        depth = self._depth.get(key, 0)
+        self._depth[key] = depth + 1
+        if depth:
+            return  # a module called inside its own forward: installed already
+        params, d = module._parameters, module.__dict__
+        copies = self._copies
+        for name, p, i in entries:
+            if i < 0 and params.get(name) is p and (is_lazy(p) or not p.requires_grad):
+                continue  # still lazy, or a frozen 16-bit parameter: no copy
+            if i < 0 or params.get(name) is not p:  # materialized, unfrozen, replaced or pruned since the build
+                self._build()
+                self._force = True
+                self._refresh()
+                self._depth[key] = 0
+                return self._install(module, args)
+            c = copies[i]
+            if c.requires_grad != p.requires_grad:  # frozen or unfrozen since the last refresh (BaseFinetuning)
+                c.requires_grad_(p.requires_grad)
+            d[name] = c
+
+    def _uninstall(self, module: nn.Module, args, output) -> None:
+        key = id(module)
+        depth = self._depth.get(key, 0)
+        if depth > 1:
+            self._depth[key] = depth - 1
+            return
+        self._depth.pop(key, None)
+        d = module.__dict__
+        for name, _, i in self._entries.get(key, ()):
+            if i >= 0 and d.get(name) is self._copies[i]:
+                del d[name]
+
+    @torch.no_grad()
+    def fold_grads(self) -> None:
+        """Add the copies' 16-bit gradients into the Parameters' FP32 ``.grad`` and drop them (one fused pass each:
+        a copy into the persistent FP32 view where ``.grad`` is ``None``, an add where it exists: FP32 sums)."""
+        fresh_dst, fresh_src, acc_dst, acc_src = [], [], [], []
+        for p, c, view in zip(self.params, self._copies, self._grad_views):
+            g16 = c.grad
             if g16 is None:
-                p.grad = grad
-            elif grad is None:
-                fresh_p.append(p)
-                fresh_g.append(g16)
+                continue
+            c.grad = None
+            if p.grad is None:
+                p.grad = view
+                fresh_dst.append(view)
+                fresh_src.append(g16)
             else:
-                acc.append(grad)
-                acc_g.append(g16)
-                p.grad = grad
-        self._fp32, self._fp32_grads, self._marks, self._fp32_index = None, [], [], None
-        for master, value in written:
-            if master.data_ptr() != value.data_ptr():
-                master.copy_(value)
-        if acc:
-            torch._foreach_add_(acc, acc_g)
-        if fresh_g:
-            buffers = _flat_copies(fresh_g, torch.float32)
-            torch._foreach_copy_(buffers, fresh_g)
-            for p, b in zip(fresh_p, buffers):
-                p.grad = b
+                acc_dst.append(p.grad)
+                acc_src.append(g16)
+        if fresh_dst:
+            torch._foreach_copy_(fresh_dst, fresh_src)
+        if acc_dst:
+            torch._foreach_add_(acc_dst, acc_src)
 
-    def mark_consumed(self, params: Iterable[nn.Parameter]) -> None:
-        """An optimizer step read these parameters' gradients: the next swap-in starts a new window for them."""
-        self._consumed.update(params)
+    # ------------------------------------------------------------------ teardown
+    def remove(self) -> None:
+        """Take the hooks out and give the memory back; the Parameters were FP32 all along."""
+        self.fold_grads()
+        for handle in self._handles:
+            handle.remove()
+        for root in self._roots:
+            for mod in root.modules():
+                for name, _, i in self._entries.get(id(mod), ()):
+                    if i >= 0 and mod.__dict__.get(name) is self._copies[i]:
+                        del mod.__dict__[name]
+        self.__init__(self.dtype, self._keep_fp32)
 
-    # ------------------------------------------------------------------ access and teardown
-    def fp32_value(self, param: nn.Parameter) -> Tensor:
-        """The FP32 value of a parameter, also while the 16-bit copies are swapped in."""
-        if self._fp32 is None:
-            return param.detach()
-        if self._fp32_index is None:  # built on first use per swap-in, so a walk over all parameters stays O(n)
-            self._fp32_index = {id(p): master for p, master in zip(self.params, self._fp32)}
-        return self._fp32_index.get(id(param), param.detach())
+    def __deepcopy__(self, memo) -> MasterWeights:
+        # a deep copy of a hooked model (SWA's averaged model, an EMA copy) carries hooks bound to a fresh, empty
+        # store: they find no entries for the copied modules, which then read their FP32 Parameters under autocast
+        return MasterWeights(self.dtype)
 
-    def release(self) -> None:
-        """Teardown: the model is already FP32 between steps; a run that stopped mid-step gets its values back."""
-        self.swap_out()
-        self.params, self._pending_lazy = [], []
-        self._known.clear()
-        self._consumed.clear()
+    def __reduce__(self):
+        return (MasterWeights, (self.dtype,))
 
 
-def _flat_copies(tensors: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
-    """Uninitialized tensors shaped like ``tensors`` in ``dtype``, views of one buffer per device (one allocation)."""
+def _flat_views(params: list[Tensor], dtype: torch.dtype, leaf: bool) -> list[Tensor]:
+    """Tensors shaped like ``params`` in ``dtype``, views of one buffer per device. ``leaf``: each is a ``.data``
+    view (its own version counter, so refreshing one copy never invalidates a graph that saved another)."""
+    out: list[Tensor] = [None] * len(params)  # type: ignore[list-item]
     by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    out: list[Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    for i, p in enumerate(params):
+        by_device.setdefault(p.device, []).append(i)
     for device, idx in by_device.items():
-        sizes = [tensors[i].numel() for i in idx]
-        flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+        sizes = [params[i].numel() for i in idx]
+        flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
         for i, view in zip(idx, flat.split(sizes)):
-            out[i] = view.view(tensors[i].shape)
+            view = view.view(params[i].shape)
+            out[i] = view.data if leaf else view
     return out

@@ -2,17 +2,18 @@
 
 Where each piece runs in one training step (automatic optimization)::
 
-    train_step_context     16-bit copies swapped into the parameters (MasterWeights.swap_in)
+    train_step_context     refresh the 16-bit copies at the first forward     (MasterWeights.begin)
                            autocast to the 16-bit format + the FP32 op policy
+                           each module's forward reads its copies (hooks); the Parameters stay FP32
     pre_backward           loss * scale                                      (LossScaler.scale_loss)
-    post_backward          FP32 values back, 16-bit grads folded into FP32    (MasterWeights.swap_out)
+    post_backward          16-bit grads of the copies folded into FP32 .grad  (MasterWeights.fold_grads)
     optimizer_step         unscale + inf/NaN check, one host sync             (MixedPrecisionStep.unscale_)
                            on_before_optimizer_step hooks and clipping see the true FP32 gradients
                            skip, or step on the FP32 parameters               (MixedPrecisionStep.step)
                            scale update, once per training step               (MixedPrecisionStep.end_training_step)
 
-Outside the forward and backward the model's parameters hold their FP32 master values, so every Lightning
-feature and callback sees and changes exact FP32 weights (see :mod:`lightning_mp.master_weights`). With manual
+The model's Parameters hold their FP32 master values at every moment, so every Lightning feature, callback,
+checkpoint and signal handler sees and changes exact FP32 weights (see :mod:`lightning_mp.master_weights`). With manual
 optimization the scale update waits for the end of ``training_step``, so several optimizers stepping in one
 batch use one scale and move the state machine once.
 """
@@ -147,6 +148,9 @@ class MixedPrecisionPlugin(PluginState, StepHooks, Precision):
         self._handles: list[Any] = []
         self._sharded = False
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.format.name!r})"
+
     # ------------------------------------------------------------------ set-up
     @property
     def sharded(self) -> bool:
@@ -185,10 +189,12 @@ class MixedPrecisionPlugin(PluginState, StepHooks, Precision):
                 "precision='bf16' (no scaling needed)."
             )
         if self._masters is not None and hasattr(model, "require_backward_grad_sync") and world_size() > 1:
-            # DDP would average the 16-bit gradients of each micro-batch; we average the FP32 gradients once per
-            # step instead (see lightning_mp.distributed). DDP's no_sync() restores the old value, so this stays
-            # off for the whole run.
+            # autograd differentiates the 16-bit copies, not DDP's Parameters, so DDP's reducer must never wait
+            # for them: we average the FP32 gradients once per step instead (see lightning_mp.distributed).
+            # Lightning turns the flag back on after every manual-optimization training_step, so it is switched
+            # off before every DDP forward (and so before Lightning's prepare_for_backward in manual_backward).
             model.require_backward_grad_sync = False
+            self._handles.append(model.register_forward_pre_hook(_no_ddp_grad_sync))
             self._step.reduce_ = average_across_ranks_
         if self.skip_scheduler_on_overflow:
             step_schedulers = [c.scheduler for c in lr_schedulers if getattr(c, "interval", "epoch") == "step"]
@@ -210,7 +216,7 @@ class MixedPrecisionPlugin(PluginState, StepHooks, Precision):
             handle.remove()
         self._handles.clear()
         if self._masters is not None:
-            self._masters.release()
+            self._masters.remove()
             self._masters = None
 
     # ------------------------------------------------------------------ forward
@@ -226,36 +232,35 @@ class MixedPrecisionPlugin(PluginState, StepHooks, Precision):
         stack.enter_context(self.gemm.context())
         return stack
 
-    def _swap_in(self) -> None:
+    def _begin(self, force: bool) -> None:
         if self._masters is not None:
-            self._masters.swap_in()
+            self._masters.begin(force)
 
-    def _swap_out(self) -> None:
+    def _fold(self) -> None:
         if self._masters is not None:
-            self._masters.swap_out()
+            self._masters.fold_grads()
 
-    def _consumed(self, optimizer: Optimizer) -> None:
+    def _stepped(self, optimizer: Optimizer) -> None:
+        """The optimizer changed its parameters: their copies are refreshed at the next forward."""
         if self._masters is not None:
-            self._masters.mark_consumed(p for group in optimizer.param_groups for p in group["params"])
+            self._masters.mark_stale(p for group in optimizer.param_groups for p in group["params"])
 
     @override
     @contextlib.contextmanager
     def train_step_context(self) -> Generator[None, None, None]:
-        self._swap_in()  # swapped out again by the backward (post_backward)
+        # forced: a write through `.data` (WGAN's clamp) does not move a version counter
+        self._begin(force=True)
         with self.forward_context():
             yield
         if self._lightning_module is not None and not self._lightning_module.automatic_optimization:
-            self._swap_out()  # a training_step without backward
+            self._fold()  # a bare loss.backward() in training_step
             self._end_training_step()
 
     @contextlib.contextmanager
     def _eval_step_context(self) -> Generator[None, None, None]:
-        self._swap_in()
-        try:
-            with self.forward_context():
-                yield
-        finally:
-            self._swap_out()
+        self._begin(force=False)
+        with self.forward_context():
+            yield
 
     @override
     def val_step_context(self) -> contextlib.AbstractContextManager:
@@ -285,7 +290,7 @@ class MixedPrecisionPlugin(PluginState, StepHooks, Precision):
 
     @override
     def post_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
-        self._swap_out()  # before on_after_backward: hooks see FP32 gradients on the module's parameters
+        self._fold()  # before on_after_backward: hooks see every gradient in the Parameters' FP32 .grad
         return super().post_backward(tensor, module)
 
     # ------------------------------------------------------------------ checkpoints
@@ -306,6 +311,10 @@ class MixedPrecisionPlugin(PluginState, StepHooks, Precision):
             take_gradscaler_state(self.scaler, state_dict)
         else:
             self._step.load_state_dict(state_dict)
+
+
+def _no_ddp_grad_sync(ddp: nn.Module, args: Any) -> None:
+    ddp.require_backward_grad_sync = False
 
 
 def _find_lightning_module(model: nn.Module) -> LightningModule | None:

@@ -63,7 +63,7 @@ class PluginState:
         several optimizers, another optimizer's gradients may still be scaled until its own step.
         """
         module = self._lightning_module or self._module
-        if module is None or (self._masters is not None and self._masters.swapped_in):
+        if module is None:
             return
         allowed = None if optimizer is None else {id(p) for g in optimizer.param_groups for p in g["params"]}
         for name, p in module.named_parameters():
@@ -71,20 +71,20 @@ class PluginState:
                 yield name, p.grad
 
     def named_fp32_parameters(self) -> Iterator[tuple[str, Tensor]]:
-        """(name, FP32 value) of every parameter, also during the forward/backward when the module holds 16-bit
-        copies: the documented way for callbacks (EMA, weight averaging) to read exact values at any time."""
+        """(name, value) of every parameter: the FP32 masters (the Parameters themselves hold them at every
+        moment; kept for code written against earlier versions, ``module.named_parameters()`` is the same)."""
         module = self._lightning_module or self._module
         if module is None:
             return
         for name, p in module.named_parameters():
-            yield name, self._masters.fp32_value(p) if self._masters is not None else p.detach()
+            yield name, p.detach()
 
     def describe(self) -> str:
         """A Markdown summary of this plugin's settings and its FP32 policy."""
         s = self.scaler
         lines = [
             f"precision: {self.format.name} (compute dtype {self.format.dtype}); master weights: "
-            f"{'FP32 parameters, 16-bit copies for forward/backward' if self.master_weights else 'no (autocast only)'}",
+            f"{'FP32 parameters, 16-bit copies read by the forward' if self.master_weights else 'no (autocast only)'}",
             f"loss scale: {s.mode!r}, current {s.scale:g}",
         ]
         if s.dynamic:

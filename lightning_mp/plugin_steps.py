@@ -2,7 +2,7 @@
 once per training step; clipping on true gradients; optimizers that re-evaluate their closure (LBFGS).
 
 Mixed into :class:`lightning_mp.MixedPrecisionPlugin`, whose ``__init__`` and set-up create what these hooks use:
-``_step`` (:class:`lightning_mp.step.MixedPrecisionStep`), ``_locator``, ``_swap_out``/``_consumed`` (master
+``_step`` (:class:`lightning_mp.step.MixedPrecisionStep`), ``_locator``, ``_fold``/``_stepped`` (master
 weights) and ``_lightning_module``.
 """
 
@@ -28,16 +28,15 @@ class StepHooks:
         if isinstance(optimizer, LBFGS):
             return self._closure_optimizer_step(optimizer, model, closure, **kwargs)
         closure_result = closure()
-        self._swap_out()  # a bare loss.backward() that bypassed post_backward, or no backward at all
+        self._fold()  # a bare loss.backward() that bypassed post_backward
         if closure_result is None and model.automatic_optimization:
             # training_step returned None: Lightning's convention for "skip this batch", not an overflow
             self._after_closure(model, optimizer)
-            self._consumed(optimizer)
             return None
         self._step.unscale_(optimizer)
         self._after_closure(model, optimizer)  # hooks and clipping: true FP32 gradients
         output = self._step.step(optimizer, **kwargs)
-        self._consumed(optimizer)
+        self._stepped(optimizer)
         if model.automatic_optimization:
             self._end_training_step()
         return output
@@ -74,7 +73,7 @@ class StepHooks:
         if clip_val <= 0:
             return
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer: the step keys the raw one
-        self._swap_out()
+        self._fold()
         if self._step.unscale_(optimizer) or self._step.skipping:
             return  # the step is skipped: clipping inf/NaN gradients would only compute NaN norms
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
@@ -92,7 +91,7 @@ class StepHooks:
 
         def evaluate() -> Any:
             result = closure()
-            self._swap_out()
+            self._fold()
             self._step.forget(optimizer)
             if self._step.unscale_(optimizer):
                 raise FloatingPointError(
@@ -101,10 +100,10 @@ class StepHooks:
                     "loss_scale."
                 )
             self._after_closure(model, optimizer)
-            self._consumed(optimizer)  # the next evaluation zeroes them
             return result
 
         output = optimizer.step(closure=evaluate, **kwargs)
+        self._stepped(optimizer)
         self._end_training_step()  # never a skip here (a non-finite evaluation raised); resets the locator
         return output
 

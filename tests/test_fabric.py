@@ -154,12 +154,11 @@ def test_state_dict_between_forward_and_backward_holds_the_fp32_values(tmp_path)
     model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     x, y = batches(1)[0]
     loss = nn.functional.mse_loss(model(x), y)
-    assert model.module[0].weight.dtype == torch.bfloat16  # the copies wait for the backward
+    assert model.module[0].weight.dtype == torch.float32  # the Parameters never hold the copies
     fabric.save(tmp_path / "mid.pt", {"model": model})
     assert same_tree(torch.load(tmp_path / "mid.pt", weights_only=True)["model"], exact)
     with torch.no_grad():
-        model(x)  # an evaluation forward in between keeps the training forward's copies
-    assert model.module[0].weight.dtype == torch.bfloat16
+        model(x)  # an evaluation forward in between leaves the training forward's copies alone
     fabric.backward(loss)  # and the backward still works on the copies
     opt.step()
     assert not same_tree(model.state_dict(), exact)
@@ -172,8 +171,12 @@ def test_two_models_set_up_separately_both_train_on_fp32_masters():
     d, opt_d = fabric.setup(d_net, torch.optim.SGD(d_net.parameters(), lr=0.1))
     before = [copy.deepcopy(m.state_dict()) for m in (g_net, d_net)]
     x, _ = batches(1)[0]
+    seen = []
+    for net in (g_net, d_net):
+        net.register_forward_hook(lambda m, args, out: seen.append(m.weight.dtype))
     out = d(g(x))
-    assert g_net.weight.dtype == d_net.weight.dtype == torch.bfloat16
+    assert seen == [torch.bfloat16, torch.bfloat16]  # each forward reads its copy
+    assert g_net.weight.dtype == d_net.weight.dtype == torch.float32
     fabric.backward(out.mean())
     opt_d.step()
     opt_g.step()

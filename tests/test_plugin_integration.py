@@ -70,6 +70,13 @@ def test_defaults_per_format():
 class Inspect(Callback):
     def __init__(self):
         self.param_dtypes, self.optim_dtypes, self.between_dtypes = set(), set(), set()
+        self.forward_dtypes = set()
+
+    def on_train_start(self, trainer, pl_module):
+        def seen_by_forward(module, args, output):  # runs inside the module's call, before the copies go out
+            self.forward_dtypes |= {module.weight.dtype, output.dtype}
+
+        pl_module.net[0].register_forward_hook(seen_by_forward)
 
     def on_before_backward(self, trainer, pl_module, loss):  # after the forward, before the backward
         self.param_dtypes |= {p.dtype for p in pl_module.parameters()}
@@ -86,7 +93,8 @@ class Inspect(Callback):
 def test_forward_and_backward_run_in_16_bits_while_parameters_and_optimizer_hold_fp32(precision, dtype):
     model, spy = TinyRegressor(), Inspect()
     fit(model, MixedPrecisionPlugin(precision, **FP16_SAFE), max_steps=3, callbacks=[spy])
-    assert spy.param_dtypes == {dtype}  # the 16-bit copies, for the forward and backward
+    assert spy.forward_dtypes == {dtype}  # the module's forward reads its 16-bit copy
+    assert spy.param_dtypes == {torch.float32}  # everything outside the forward sees the FP32 masters
     assert spy.optim_dtypes == {torch.float32}  # parameters and gradients the optimizer reads
     assert spy.between_dtypes == {torch.float32}  # what callbacks see between steps: the masters
     assert {p.dtype for p in model.parameters()} == {torch.float32}
@@ -110,7 +118,7 @@ def test_frozen_and_unoptimized_params_are_never_rounded():
     model = Partly()
     frozen_before = model.net[0].bias.detach().clone()
     fit(model, MixedPrecisionPlugin("bf16"), max_steps=2)
-    assert seen == {torch.bfloat16}  # computes in 16 bits...
+    assert seen == {torch.float32}  # training_step is not a forward: the Parameter itself (autocast casts per op)
     assert torch.equal(model.net[0].bias, frozen_before)  # ...and keeps its exact FP32 value, not the rounding
     assert torch.equal(model.extra, torch.full((3,), 1.0 + 2**-12))
 
@@ -178,11 +186,14 @@ class TinyGrad(L.LightningModule):
         self.w = nn.Parameter(torch.ones(4))
         self.grads = []
 
+    def forward(self, x):
+        return self.w * x  # inside the forward, self.w is the FP16 copy: the product and its gradient are FP16
+
     def training_step(self, batch, batch_idx):
         x = torch.full((4,), 1e-4, dtype=torch.float16)  # normal in fp16 (2^-14 ~ 6.1e-5)
         # the product and its sum are FP16 (where 1e-8 gradients die); the loss itself is FP32, as autocast and
         # the FP32 policy make it: an FP16 loss could not even hold the backward seed, which equals the scale
-        return (self.w * x).sum().float() * 1e-4
+        return self(x).sum().float() * 1e-4
 
     def on_before_optimizer_step(self, optimizer):
         self.grads.append(dict(self.trainer.precision_plugin.named_grads())["w"].clone())
@@ -341,7 +352,7 @@ def test_checkpoint_holds_fp32_masters_and_loads_into_a_plain_fp32_model(tmp_pat
 
     class Grab(Callback):
         def on_before_backward(self, trainer, pl_module, loss):
-            captured["rounded"] = {k: v.detach().clone() for k, v in pl_module.named_parameters()}
+            captured["mid_step"] = {k: v.detach().clone() for k, v in pl_module.named_parameters()}
 
         def on_train_end(self, trainer, pl_module):
             trainer.save_checkpoint(tmp_path / "last.ckpt")
@@ -351,7 +362,7 @@ def test_checkpoint_holds_fp32_masters_and_loads_into_a_plain_fp32_model(tmp_pat
     ckpt = torch.load(tmp_path / "last.ckpt", weights_only=False)
     assert {v.dtype for v in ckpt["state_dict"].values()} == {torch.float32}
     assert same_tree(ckpt["state_dict"], captured["masters"])
-    assert captured["rounded"]["net.0.weight"].dtype == torch.bfloat16  # the last forward's copy
+    assert {v.dtype for v in captured["mid_step"].values()} == {torch.float32}  # between forward and backward too
     assert ckpt["MixedPrecisionPlugin"]["scaler"]["skipped_steps"] == 0
     assert ckpt["MixedPrecisionPlugin"]["version"] == 2
 
@@ -443,8 +454,9 @@ def test_output_head_tied_to_an_fp32_embedding_stays_fp32():
         def training_step(self, batch, batch_idx):
             idx = torch.arange(16).view(2, 8)
             h = self.emb(idx)
-            out = h + self.mid(h)  # FP32 residual stream: FP32 embedding + 16-bit block output
-            self.seen = {"emb": self.emb.weight.dtype, "mid": self.mid.weight.dtype, "stream": out.dtype}
+            m = self.mid(h)
+            out = h + m  # FP32 residual stream: FP32 embedding + 16-bit block output
+            self.seen = {"emb": h.dtype, "mid": m.dtype, "stream": out.dtype}
             return nn.functional.cross_entropy(self.head(out).flatten(0, 1), idx.flatten())
 
         def configure_optimizers(self):

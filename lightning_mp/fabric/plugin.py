@@ -2,27 +2,25 @@
 
 Where each piece runs in one iteration of a Fabric loop::
 
-    fabric.setup(model, opt)  convert_module: the model's FP32 parameters become the masters      (MasterWeights)
+    fabric.setup(model, opt)  convert_module: the model's FP32 parameters are the masters         (MasterWeights)
     model(x)                  forward_context, which Fabric's module wrapper enters around forward:
-                                16-bit copies swapped into the parameters                     (MasterWeights.swap_in)
+                                16-bit copies refreshed where their masters changed            (MasterWeights.begin)
                                 autocast to the 16-bit format + the FP32 op policy + the GEMM emulation
                                 floating outputs come back as FP32 (as from Fabric's own MixedPrecision),
                                 so a loss computed in the loop, outside autocast, is an FP32 loss
     fabric.backward(loss)     backward: loss * scale                                          (LossScaler.scale_loss)
-                              post_backward: FP32 values back, 16-bit grads folded into FP32  (MasterWeights.swap_out)
+                              post_backward: the copies' 16-bit grads folded into FP32 .grad  (MasterWeights.fold_grads)
     fabric.clip_gradients     unscale_gradients: unscale + inf/NaN check, one host sync   (MixedPrecisionStep.unscale_)
                                 clipping sees the true FP32 gradients
     optimizer.step()          optimizer_step: unscale (if clipping did not), skip or step (MixedPrecisionStep.step)
                                 one scale update per optimizer.step()         (MixedPrecisionStep.end_training_step)
 
-Between a backward and the next forward the model's parameters hold their FP32 masters, so the optimizer (and its
-state), ``model.state_dict()``, ``fabric.save``, clipping and anything the loop reads see exact FP32 weights. The
-copies are swapped in by the forward, not by a module hook, so ``fabric.autocast()`` blocks and methods marked with
-``mark_forward_method`` get them too, and a ``torch.compile``d model swaps outside its compiled region.
-
-A forward without autograd (``torch.no_grad()``, ``torch.inference_mode()``: evaluation) gives the FP32 values back
-when it ends, since no backward will. A forward with autograd whose loss is never back-propagated keeps its copies
-until the next backward or ``optimizer.step()``; ``model.state_dict()`` in between still returns the FP32 values.
+The model's Parameters hold their FP32 masters at every moment, so the optimizer (and its state),
+``model.state_dict()``, ``fabric.save``/``fabric.load`` (also right after a forward whose loss is never
+back-propagated), clipping and anything the loop reads see exact FP32 weights. The first forward after an
+``optimizer.step()`` refreshes every trainable copy (a write through ``.data`` after the step is seen); other
+forwards refresh the copies whose masters changed, so two forwards through one model in one graph (a GAN's
+discriminator on real and fake data) share their copies.
 
 Fabric has no ``connect`` hook and calls ``convert_module`` before it moves the model to its device, so the one-time
 set-up that needs the device (device check, GEMM verdict, FP32 module hooks, overflow locator) runs on the first
@@ -78,6 +76,7 @@ class MixedPrecisionPlugin(_TrainerPlugin):
         super().__init__(*args, **kwargs)
         self._pending: list[nn.Module] = []  # converted modules whose device set-up waits for the first forward
         self._listeners: list[Any] = []  # PrecisionMonitor objects, told about every optimizer step
+        self._force_refresh = True  # the next forward refreshes every trainable copy (set by optimizer steps)
 
     __init__.__signature__ = inspect.signature(_TrainerPlugin.__init__)  # type: ignore[attr-defined]
 
@@ -89,9 +88,6 @@ class MixedPrecisionPlugin(_TrainerPlugin):
             self._masters.convert(module)
         else:
             super().convert_module(module)
-        if self._masters is not None:
-            # a function, not a bound method: torch marks the hook with an attribute
-            self._handles.append(module.register_state_dict_post_hook(lambda *args: self._fp32_state_dict(*args)))
         self._pending.append(module)
         return module
 
@@ -141,37 +137,16 @@ class MixedPrecisionPlugin(_TrainerPlugin):
     @contextlib.contextmanager
     def _forward_context(self) -> Generator[None, None, None]:
         self._set_up_pending()
-        swapped_here = self._masters is not None and not self._masters.swapped_in
-        no_backward = not torch.is_grad_enabled()
-        self._swap_in()  # a forward with autograd is swapped out by its backward (post_backward)
-        failed = False
-        try:
-            with super().forward_context():
-                yield
-        except BaseException:
-            failed = True
-            raise
-        finally:
-            # only the context that swapped in gives back: a no_grad block nested in a training forward must not
-            if swapped_here and (no_backward or failed):
-                self._swap_out()
+        self._begin(force=self._force_refresh)
+        self._force_refresh = False
+        with super().forward_context():
+            yield
 
     @override
     def convert_output(self, data: Any) -> Any:
         if not self.format.is_16bit:
             return data
         return apply_to_collection(data, function=_to_fp32, dtype=Tensor)
-
-    def _fp32_state_dict(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        """``state_dict()`` while the copies are swapped in (after a forward, before its backward) holds the FP32
-        values, not the copies."""
-        masters = self._masters
-        if masters is None or not masters.swapped_in:
-            return
-        for name, p in module.named_parameters(prefix=prefix, remove_duplicate=False):
-            value = state_dict.get(name)
-            if isinstance(value, Tensor) and value is not p and value.dtype in HALF_DTYPES:
-                state_dict[name] = masters.fp32_value(p).detach()
 
     # ------------------------------------------------------------------ backward
     @override
@@ -188,18 +163,20 @@ class MixedPrecisionPlugin(_TrainerPlugin):
 
     @override
     def post_backward(self, tensor: Tensor, module: nn.Module | None) -> None:  # type: ignore[override]
-        self._swap_out()
+        self._fold()
 
     # ------------------------------------------------------------------ step
     @override
     def unscale_gradients(self, optimizer: Optimizer) -> None:
-        self._swap_out()  # a forward whose loss was not back-propagated
+        self._fold()  # a bare loss.backward() in the loop
         self._step.unscale_(optimizer)
 
     @override
     def main_params(self, optimizer: Optimizer) -> Iterator[Tensor]:
         if self._step.in_progress and self._step.skipping:
-            return iter(())  # the step is skipped: clipping inf/NaN gradients would raise or compute NaN norms
+            # the step is skipped: clipping inf/NaN gradients would raise or compute NaN norms, and torch's
+            # clip_grad_value_ fails on an empty list; a zero gradient clips to a norm of 0 and changes nothing
+            return iter((_zero_grad_tensor(optimizer),))
         return FabricPrecision.main_params(self, optimizer)
 
     @override
@@ -211,16 +188,24 @@ class MixedPrecisionPlugin(_TrainerPlugin):
                 "optimizer reads them, and a closure computes them inside step()). HINT: use an optimizer without a "
                 "closure, or the Trainer plugin, which runs LBFGS with a static loss_scale or bf16."
             )
-        self._swap_out()
+        self._fold()
         self._step.unscale_(optimizer)
         for listener in self._listeners:
             listener.before_optimizer_step(optimizer)  # true FP32 gradients, also on a step about to be skipped
         output = self._step.step(optimizer, **kwargs)
-        self._consumed(optimizer)
+        self._stepped(optimizer)
+        self._force_refresh = True
         self._end_training_step()
         for listener in self._listeners:
             listener.after_optimizer_step(optimizer)
         return output
+
+
+def _zero_grad_tensor(optimizer: Optimizer) -> Tensor:
+    first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+    t = torch.zeros((), device=first.device if first is not None else "cpu")
+    t.grad = torch.zeros_like(t)
+    return t
 
 
 def _to_fp32(t: Tensor) -> Tensor:
