@@ -119,7 +119,12 @@ class MasterWeights:
             for mod in root.modules():
                 own = []
                 for name, p in mod._parameters.items():
-                    if p is None or p in kept or not (is_lazy(p) or p.is_floating_point()):
+                    if p is None or not (is_lazy(p) or p.is_floating_point()):
+                        continue
+                    if p in kept:
+                        if p.dtype in HALF_DTYPES and p.requires_grad and not is_lazy(p):
+                            upcast, upcast_dtype = upcast + 1, p.dtype  # trains on FP32 values, no copy
+                            p.data = p.data.float()
                         continue
                     if is_lazy(p) or (p.dtype in HALF_DTYPES and not p.requires_grad):
                         own.append((name, p, -1))  # re-examined when materialized or unfrozen

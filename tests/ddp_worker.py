@@ -18,8 +18,9 @@ from lightning_mp import MixedPrecisionPlugin  # noqa: E402
 
 
 class Model(L.LightningModule):
-    def __init__(self, poison_rank, poison_step, exact=False):
+    def __init__(self, poison_rank, poison_step, exact=False, manual=False):
         super().__init__()
+        self.automatic_optimization = not manual
         if exact:
             # small integers and dyadic fractions: every bf16 product and sum is exact, so the only difference
             # between one process and two is the FP32 summation order
@@ -32,7 +33,13 @@ class Model(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return nn.functional.mse_loss(self.net(x).float(), y)
+        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
 
     def on_after_backward(self):
         # a NaN that appears on one rank only, after DDP's all-reduce would have run: only an explicit
@@ -59,6 +66,8 @@ def main():
     parser.add_argument("--poison-rank", type=int, default=-1)
     parser.add_argument("--poison-step", type=int, default=-1)
     parser.add_argument("--exact", action="store_true", help="integer data and weights (exact in bf16)")
+    parser.add_argument("--manual", action="store_true", help="manual optimization: manual_backward, opt.step")
+    parser.add_argument("--native", default="", help="Lightning's own precision instead of the plugin")
     args = parser.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
@@ -70,13 +79,14 @@ def main():
         x = torch.randn(64, 4, generator=g)
         y = x.sum(dim=1, keepdim=True) * 0.3
     plugin = MixedPrecisionPlugin(args.precision, init_scale=2.0**8)
-    model = Model(args.poison_rank, args.poison_step, exact=args.exact)
+    model = Model(args.poison_rank, args.poison_step, exact=args.exact, manual=args.manual)
     model.x, model.y, model.batch_size = x, y, 32 // (args.devices * args.accumulate)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy="ddp" if args.devices > 1 else "auto",
-        plugins=[plugin],
+        plugins=[] if args.native else [plugin],
+        precision=args.native or None,
         max_steps=args.steps,
         accumulate_grad_batches=args.accumulate,
         logger=False,
