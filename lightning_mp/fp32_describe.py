@@ -6,10 +6,12 @@ Text only: nothing here runs during training.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.nn as nn
+
+from lightning_mp.fp32_aten import OpReach
 
 from lightning_mp.fp32_ops import (
     _GROUP_NOTES,
@@ -22,16 +24,22 @@ from lightning_mp.fp32_ops import (
 
 
 def describe_policy(
-    aliases: dict[str, tuple[tuple[str, Callable[..., Any]], ...]], modules: tuple[type[nn.Module], ...]
+    aliases: dict[str, tuple[tuple[str, Callable[..., Any]], ...]],
+    modules: tuple[type[nn.Module], ...],
+    reach: Mapping[str, OpReach] | None = None,
+    python_only: frozenset[str] = frozenset(),
 ) -> str:
-    """Markdown tables of the FP32 ops (canonical name -> its intercepted ``(label, callable)`` pairs) and of the
-    FP32 module classes."""
+    """Markdown tables of the FP32 ops (canonical name -> its ``(label, callable)`` pairs, and where each becomes
+    FP32: the aten ops its kernels sit on, or how a pure-Python composite is handled) and of the FP32 module
+    classes."""
     lines = [
         "#### Ops computed in FP32",
         "",
-        "16-bit floating inputs are upcast, autocast is off for the call, the result is FP32 "
-        "(batch norm with FP32 weight and statistics takes a 16-bit input as it is and computes its "
-        "statistics in FP32 inside the kernel). `F` is `torch.nn.functional`.",
+        "Under `torch.autocast`, while the policy is active: 16-bit floating inputs are upcast, autocast is off "
+        "for the call, the result is FP32 (batch norm with FP32 weight and statistics takes a 16-bit input as it "
+        "is and computes its statistics in FP32 inside the kernel). Kernels sit at the autocast dispatch keys on "
+        "the aten ops listed (only where autocast does not already compute them in FP32), so unlisted ops cost "
+        "nothing. `F` is `torch.nn.functional`.",
         "",
     ]
     if aliases:
@@ -43,11 +51,11 @@ def describe_policy(
         for group in ordered:
             names = ", ".join(f"`{n}`" for n in groups[group])
             lines.append(f"| {group} | {names} | {_GROUP_NOTES.get(group, 'selected by the user')} |")
-        lines += ["", "| Op | Intercepted callables |", "|---|---|"]
+        lines += ["", "| Op | Callables | Where it becomes FP32 |", "|---|---|---|"]
         for group in ordered:
             for name in groups[group]:
                 callables = ", ".join(f"`{label}`" for label, _ in aliases[name])
-                lines.append(f"| `{name}` | {callables} |")
+                lines.append(f"| `{name}` | {callables} | {_where(name, reach, python_only)} |")
     else:
         lines.append("_None: every op follows autocast's own lists._")
     lines += ["", "#### Modules kept in FP32 (parameters and forward)", ""]
@@ -59,6 +67,23 @@ def describe_policy(
     else:
         lines.append("_None: every parameter follows the precision setting._")
     return "\n".join(lines)
+
+
+def _where(name: str, reach: Mapping[str, OpReach] | None, python_only: frozenset[str]) -> str:
+    if reach is None or name not in reach:
+        return "?"
+    found = reach[name]
+    if found.packets:
+        where = "aten " + ", ".join(f"`{packet}`" for packet in found.packets)
+    elif name in python_only:
+        via = f" (FP32 through {', '.join(f'`{p}`' for p in found.via)} when those are listed)" if found.via else ""
+        where = (
+            "pure-Python composite intercepted in Python by `op_context()`: ~1 us on every torch call in it, "
+            f"not replayed by activation checkpointing{via}"
+        )
+    else:
+        where = "pure-Python composite, FP32 through aten " + ", ".join(f"`{p}`" for p in found.via)
+    return f"{where}; {found.note}" if found.note else where
 
 
 def _class_path(cls: type) -> str:

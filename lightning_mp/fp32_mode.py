@@ -1,4 +1,10 @@
-"""The op mode: how a listed op runs in FP32, on every torch call while a step runs.
+"""The Python fallback of the op policy: a torch-function mode for listed names no autocast kernel reaches.
+
+Most listed ops become FP32 through kernels at the autocast dispatch keys (:mod:`lightning_mp.fp32_dispatch`).
+A pure-Python composite (``F.softmin``, ``F.normalize``, a user-added ``F.softsign``...) has no aten op of its
+own: it is FP32 through the listed aten ops it calls (:mod:`lightning_mp.fp32_aten`), and when those are not
+listed, ``Fp32Policy.op_context()`` pushes the mode below for it (``Fp32Policy.python_only_ops``; none with the
+default list). The helpers here are shared with the module hooks.
 
 What "an op runs in FP32" means
 -------------------------------
@@ -16,41 +22,15 @@ or ``out=`` are left exactly as written (the caller chose the precision;
 autocast does the same). In-place variants (``exp_``, ``__ipow__``) can never
 be FP32 -- they must write into the 16-bit tensor -- and are rejected.
 
-How ops are intercepted, and what it costs
-------------------------------------------
-``op_context()`` pushes a ``torch.overrides.TorchFunctionMode``. While it is
-active *every* torch call made from Python (functions, ``Tensor`` methods,
-even attribute reads such as ``x.shape``) first goes through the mode's
-``__torch_function__``. For an op that is not listed, that costs one dict lookup
-plus the re-call of the function. The mode is pure Python, so this is a fixed
-cost per torch call, independent of tensor size (a few microseconds; a small GPT
-forward makes ~100-150 such calls). A listed op additionally pays its bookkeeping,
-the upcast copies (read 2 bytes, write 4 bytes per element of each 16-bit input),
-two autocast state toggles and an FP32 output that is twice the size of the
-16-bit one (autograd may save it for the backward pass, e.g. the softmax
-probabilities). These are the same copies and sizes CUDA autocast has for its
-FP32 ops. What that costs per step is measured, not written here:
-``benchmarks/benchmark.py`` prints the default policy against an empty one.
-Attention written with an explicit ``F.softmax`` pays for FP32 probabilities (CUDA
-autocast pays the same); they are rounded to 16 bits again for the following
-matmul, so ``DEFAULT_FP32_OPS - {"softmax"}`` is a reasonable trade there.
-All callables that reach the mode for one op name -- ``torch.X``,
-``torch.nn.functional.X``, ``Tensor.X``, ``torch.special.X``, ``torch.linalg.X``
-and operator dunders such as ``Tensor.__pow__`` -- are precomputed into one dict,
-so the per-call test never looks at names.
-
-Known limitation: the body of a Python-level torch function runs with the mode
-suspended (that is how ``TorchFunctionMode`` re-dispatch works). Ops called from
-*inside* such a composite are therefore not seen, e.g. the softmax inside
-``F.multi_head_attention_forward(need_weights=True)``. Composites whose result
-should be FP32 are listed themselves (``softmin``, ``normalize``,
-``gumbel_softmax``, ``local_response_norm``, the ``*_loss`` functions). Fused
-kernels (``scaled_dot_product_attention``) are not affected by any of this.
-Activation checkpointing recomputes the forward outside the mode; use
-``torch.utils.checkpoint(..., use_reentrant=False,
-context_fn=policy.checkpoint_context_fn())``. Under ``torch.compile`` Dynamo traces
-through the mode (one mode object per policy, so compiled graphs stay valid) and the
-listed ops are compiled in FP32.
+What the mode costs
+-------------------
+While the mode is pushed, *every* torch call made from Python (functions, ``Tensor`` methods, even attribute
+reads such as ``x.shape``) first goes through its ``__torch_function__``: one dict lookup plus the re-call, a
+fixed ~1 us per torch call whatever the tensor size (a small GPT forward makes ~100-150 such calls); a listed
+call adds ~10 us of bookkeeping plus the upcast copies. The mode is thread-local and not replayed by activation
+checkpointing (use ``Fp32Policy.checkpoint_context_fn()``); Dynamo traces through it (one mode object per
+policy, so compiled graphs stay valid). The body of a Python-level torch function runs with the mode suspended,
+so only the composite itself is intercepted, not what it calls.
 """
 
 from __future__ import annotations

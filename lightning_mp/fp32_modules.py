@@ -1,6 +1,10 @@
 """Module hooks that run a listed module's forward in FP32 (its parameters are kept FP32 by the masters).
 
-Forward hooks, so a module's ``forward`` is never replaced and ``remove()`` restores it exactly.
+Forward hooks, so a module's ``forward`` is never replaced and ``remove()`` restores it exactly. The pre-hook
+upcasts the inputs and switches autocast off for the module's device type, so the whole subtree (children
+included) computes in FP32 with the FP32 parameters it has; the post-hook switches it back. Both are plain
+tensor ops and autocast toggles that Dynamo traces into the graph, so ``torch.compile(fullgraph=True)`` compiles
+a model with listed modules into as many graphs as without them.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_mp.fp32_mode import _autocast_enabled, _native_mixed_batch_norm, _to_fp32
+from lightning_mp.formats import HALF_DTYPES
+from lightning_mp.fp32_mode import _native_mixed_batch_norm
 
 # --------------------------------------------------------------------------------------
 # Module hooks.
@@ -29,6 +34,28 @@ def _frames() -> list[tuple[nn.Module, str, bool]]:
     if frames is None:
         frames = _FORWARD_FRAMES.stack = []
     return frames
+
+
+def _upcast_tree(obj: Any) -> Any:
+    """``obj`` with 16-bit floating tensors as FP32, recursing into tuples (namedtuples such as PackedSequence
+    included), lists and dicts. Containers are rebuilt unconditionally: Dynamo cannot trace identity tests on
+    them, and rebuilding a few-element tuple costs less than a microsecond. ``.float()`` is differentiable: the
+    backward casts the gradient back to 16 bits."""
+    if isinstance(obj, torch.Tensor):
+        return obj.float() if obj.dtype in HALF_DTYPES else obj
+    if isinstance(obj, tuple):
+        items = [_upcast_tree(item) for item in obj]
+        if hasattr(obj, "_fields"):  # namedtuple, PackedSequence
+            return type(obj)(*items)
+        return tuple(items) if type(obj) is tuple else type(obj)(items)
+    if isinstance(obj, list):
+        return [_upcast_tree(item) for item in obj]
+    if isinstance(obj, dict):
+        result = obj.copy()  # keeps the dict subclass (e.g. OrderedDict)
+        for key, value in obj.items():
+            result[key] = _upcast_tree(value)
+        return result
+    return obj
 
 
 class _Fp32ForwardHooks:
@@ -50,20 +77,19 @@ class _Fp32ForwardHooks:
         self.device_type = device_type
 
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if isinstance(module, _BatchNorm) and args and _native_mixed_batch_norm(
-            args[0], (*module._parameters.values(), *module._buffers.values())
+        if not (
+            isinstance(module, _BatchNorm)
+            and args
+            and _native_mixed_batch_norm(args[0], (*module._parameters.values(), *module._buffers.values()))
         ):
-            new_args, new_kwargs = args, kwargs
-        else:
-            new_args = _to_fp32(args, None)
-            new_kwargs = _to_fp32(kwargs, None)
-        was_enabled = _autocast_enabled(self.device_type)
+            args = _upcast_tree(args)
+            kwargs = _upcast_tree(kwargs)
+        # install() checked that autocast knows device_type
+        was_enabled = torch.is_autocast_enabled(self.device_type)
         _frames().append((module, self.device_type, was_enabled))
         if was_enabled:
             torch.set_autocast_enabled(self.device_type, False)
-        if new_args is args and new_kwargs is kwargs:
-            return None
-        return new_args, new_kwargs
+        return args, kwargs
 
     def post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         frames = _frames()

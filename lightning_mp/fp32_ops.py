@@ -141,7 +141,7 @@ _OP_GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "resampling",
         _WHY_RESAMPLE,
-        # F.upsample* and nn.Upsample call F.interpolate, which the mode sees.
+        # F.upsample* and nn.Upsample call F.interpolate, which lowers to the aten upsample_* ops.
         ("interpolate",),
     ),
 )
@@ -155,11 +155,10 @@ DEFAULT_FP32_OPS: frozenset[str] = frozenset(_OP_NOTES)
 
 Covers autocast's CUDA FP32 lists (softmax/log_softmax, layer_norm/group_norm,
 the losses, sum/prod/cumsum/cumprod, the norms, logsumexp, exp/log/pow and the
-other transcendentals, the distances, upsampling), plus what CUDA gets through
-dispatcher-level casting but a Python-level mode has to name explicitly
-(``softmin``, ``normalize``, ``gumbel_softmax``, ``local_response_norm``,
-``instance_norm``, ``rms_norm``, ``batch_norm``) and ``mean``/``nanmean``/``nansum``
-(same numerics as ``sum``). ``var``/``std`` are left out, as on CUDA: their
+other transcendentals, the distances, upsampling), plus the pure-Python composites
+of those (``softmin``, ``normalize``, ``gumbel_softmax``, ``local_response_norm``: FP32
+through the listed ops they call), ``instance_norm``, ``rms_norm``, ``batch_norm``
+and ``mean``/``nanmean``/``nansum`` (same numerics as ``sum``). ``var``/``std`` are left out, as on CUDA: their
 16-bit results are only wrong when the variance itself exceeds the range.
 Entries are plain names; see ``Fp32Policy`` for what a name covers.
 """

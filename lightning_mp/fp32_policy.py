@@ -14,8 +14,8 @@ the FP32 part explicit and identical everywhere:
   autocast's CUDA FP32 lists, plus ``mean`` and the other norm functionals).
 * ``DEFAULT_FP32_MODULES`` -- module classes whose own parameters stay FP32 and
   whose forward runs in FP32 (normalisation layers and recurrent layers).
-* ``Fp32Policy`` -- validates a custom selection and applies it:
-  ``op_context()`` for ops, ``install()`` for modules, ``describe()`` for docs.
+* ``Fp32Policy`` -- validates a custom selection and applies it: ``activate()`` (or ``op_context()``) for ops,
+  ``install()`` for modules, ``describe()`` for docs.
 
 Users edit the lists with ordinary set/tuple operations::
 
@@ -24,7 +24,8 @@ Users edit the lists with ordinary set/tuple operations::
     Fp32Policy(modules=NORM_MODULES)                      # RNNs back to 16 bits
 
 The pieces: :mod:`lightning_mp.fp32_ops` (the default lists and their reasons), :mod:`lightning_mp.op_names`
-(what a name covers), :mod:`lightning_mp.fp32_mode` (the op mode on the hot path),
+(what a name covers), :mod:`lightning_mp.fp32_aten` (the aten ops a name reaches), :mod:`lightning_mp.fp32_dispatch`
+(the kernels at the autocast keys), :mod:`lightning_mp.fp32_mode` (the Python fallback for pure-Python composites),
 :mod:`lightning_mp.fp32_modules` (module hooks), :mod:`lightning_mp.fp32_describe` (the Markdown of
 ``describe()``). This module is the policy object over them; the public names of all of them are importable from
 here.
@@ -39,7 +40,9 @@ from typing import Any, Union
 import torch
 import torch.nn as nn
 
+from lightning_mp.fp32_aten import OpReach, kernel_plan, reach_of
 from lightning_mp.fp32_describe import describe_policy
+from lightning_mp.fp32_dispatch import Fp32Activation
 from lightning_mp.fp32_mode import _Fp32OpMode
 from lightning_mp.fp32_modules import Fp32ModuleHandle, _Fp32ForwardHooks
 from lightning_mp.fp32_ops import (
@@ -54,6 +57,7 @@ from lightning_mp.op_names import _aliases_of_canonical, _canonical_name
 
 __all__ = [
     "DEFAULT_FP32_MODULES",
+    "Fp32Activation",
     "DEFAULT_FP32_OPS",
     "EMBEDDING_MODULES",
     "NORM_MODULES",
@@ -114,21 +118,57 @@ def _validate_ops(ops: Any) -> dict[str, tuple[tuple[str, Callable[..., Any]], .
 _NULL_CONTEXT = contextlib.nullcontext()
 
 
+class _OpContext:
+    """``op_context()``: a hold on the policy's kernels for the block, plus the Python fallback mode if needed."""
+
+    def __init__(self, policy: Fp32Policy) -> None:
+        self._policy = policy
+        self._activation: Fp32Activation | None = None
+
+    def __enter__(self) -> None:
+        self._activation = self._policy.activate()
+        mode = self._policy._fallback_mode()
+        if mode is not None:
+            try:
+                mode.__enter__()
+            except BaseException:
+                self._activation.remove()
+                raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            mode = self._policy._fallback_mode()
+            if mode is not None:
+                mode.__exit__(*exc_info)
+        finally:
+            if self._activation is not None:
+                self._activation.remove()
+
+
 class Fp32Policy:
     """Which ops and which modules run in FP32 under mixed precision.
 
     Args:
-        ops: op names and/or torch callables computed in FP32 (see the module
+        ops: op names and/or torch callables computed in FP32 under ``torch.autocast`` (see the module
             docstring for the exact contract). A name stands for every public
             callable of that name in ``torch``, ``torch.nn.functional``,
             ``torch.special``, ``torch.linalg`` and the ``torch.Tensor`` methods,
-            plus its operator dunders (``"pow"`` covers ``x ** 2``). A callable is
+            plus its operator dunders (``"pow"`` covers ``x ** 2``), and for the aten ops they lower to
+            (``describe()`` lists them). A callable is
             normalised to its name, so ``torch.tanh`` also covers ``x.tanh()``.
             Other torch functions are given by dotted path (``"torch.fft.rfft"``).
             Invalid entries raise ``TypeError``/``ValueError`` naming ``fp32_ops``.
         modules: ``nn.Module`` subclasses whose instances keep FP32 parameters and
             run their forward in FP32 (``isinstance`` check, so subclasses count).
             Invalid entries raise ``TypeError``/``ValueError`` naming ``fp32_modules``.
+
+    Ops are made FP32 by kernels at the autocast dispatch keys (CPU and CUDA), switched on process-wide by
+    :meth:`activate` (see :mod:`lightning_mp.fp32_dispatch`): unlisted ops cost nothing, outside
+    ``torch.autocast`` nothing changes, and activation checkpointing and ``torch.compile`` follow the policy.
+    Pure-Python composites (``F.softmin``, ``F.normalize``, ...) have no aten op of their own: they are FP32
+    through the listed ops they call, and where those are not listed (``DEFAULT_FP32_OPS - {"softmax"}`` keeps
+    ``softmin``), ``op_context()`` intercepts them with a torch-function mode, which costs about a microsecond
+    on *every* torch call inside it; ``describe()`` says which names are handled how.
     """
 
     def __init__(
@@ -139,13 +179,19 @@ class Fp32Policy:
         self._aliases = _validate_ops(ops)
         self._modules = _validate_modules(modules)
         self._ops = frozenset(self._aliases)
-        # callable -> whether it takes dtype= (see _call_fp32); the mode's only lookup.
+        self._reach: dict[str, OpReach] = {name: reach_of(name, aliases) for name, aliases in self._aliases.items()}
+        self._packets = frozenset(packet for reach in self._reach.values() for packet in reach.packets)
+        # Names no kernel reaches: composites whose FP32 ops are not all listed, and Python-only user additions.
+        # The fallback mode's table: callable -> whether it takes dtype= (see _call_fp32).
+        self._python_only = frozenset(
+            name for name, reach in self._reach.items()
+            if not reach.packets and not (reach.via and set(reach.via) <= self._packets)
+        )
         self._table: dict[Callable[..., Any], bool] = {
-            func: name in _DTYPE_OPS
-            for name, aliases in self._aliases.items()
-            for _, func in aliases
+            func: name in _DTYPE_OPS for name in self._python_only for _, func in self._aliases[name]
         }
         self._mode: _Fp32OpMode | None = None
+        self._plan: frozenset[Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # by names: the resolved callables include Tensor methods (TensorBase.pow...) that cannot be pickled,
@@ -165,33 +211,61 @@ class Fp32Policy:
         """The FP32 module classes, in the given order, without duplicates."""
         return self._modules
 
+    @property
+    def python_only_ops(self) -> frozenset[str]:
+        """Listed names no autocast kernel reaches: ``op_context()`` intercepts them in Python (see the class
+        docstring). Empty for the default list."""
+        return self._python_only
+
     def keeps_fp32(self, module: nn.Module) -> bool:
         """Whether this module's own parameters stay FP32 (``isinstance`` of a listed class)."""
         return bool(self._modules) and isinstance(module, self._modules)
 
-    def op_context(self) -> contextlib.AbstractContextManager[Any]:
-        """Context in which every listed op receives FP32 inputs and returns FP32.
+    def kernel_plan(self) -> frozenset[tuple[str, str, Any]]:
+        """(autocast key, aten overload, rule) for every kernel :meth:`activate` registers (computed once)."""
+        if self._plan is None:
+            self._plan = frozenset((key, overload, rule) for (key, overload), rule in kernel_plan(self._packets).items())
+        return self._plan
 
-        Works with and inside ``torch.autocast`` on any device; nothing leaks out of
-        the block, also when it raises. An empty op list gives a no-op context."""
+    def activate(self) -> Fp32Activation:
+        """Switch the listed ops to FP32 under ``torch.autocast``, process-wide, until ``.remove()``.
+
+        Registers the policy's kernels at the autocast keys; the handle's ``remove()`` (or leaving it as a
+        context manager) takes them out when the last hold goes. Holds are counted: activating the same or
+        another policy again while active only adds a hold; while several different policies are active, the
+        union of their ops is FP32. Active for every thread and for the backward pass, so activation
+        checkpointing (reentrant or not) recomputes the listed ops in FP32 without a ``context_fn``. Hold it
+        for a whole fit (a plugin: from setup to teardown); registering costs about a millisecond."""
+        return Fp32Activation(self.kernel_plan())
+
+    def _fallback_mode(self) -> _Fp32OpMode | None:
         if not self._table:
-            return _NULL_CONTEXT
+            return None
         # one mode object for the policy's lifetime: torch.compile guards on the active mode, so a new object per
         # step would invalidate every compiled graph (recompiling each step until Dynamo gives up)
         if self._mode is None:
             self._mode = _Fp32OpMode(self._table)
         return self._mode
 
+    def op_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Context in which every listed op computes in FP32 under ``torch.autocast``.
+
+        ``activate()`` for the block, plus the torch-function mode for ``python_only_ops`` (none by default).
+        Outside ``torch.autocast`` it changes nothing (the ops then run in the dtype they are given). Nothing
+        leaks out of the block, also when it raises. Inside an ``activate()`` hold it costs a counter; on its
+        own it registers and removes the kernels each time, so hold ``activate()`` around a training loop, and
+        keep it held through ``backward()`` when activation checkpointing recomputes the forward. An empty op
+        list gives a no-op context."""
+        if not self._aliases:
+            return _NULL_CONTEXT
+        return _OpContext(self)
+
     def checkpoint_context_fn(self) -> Callable[[], tuple[Any, Any]]:
         """``context_fn`` for ``torch.utils.checkpoint(..., use_reentrant=False)``.
 
-        Activation checkpointing recomputes the forward during backward, outside
-        ``op_context()`` (torch only carries autocast and device modes over). The
-        listed ops would then come out 16-bit and checkpoint raises a CheckpointError
-        ("Recomputed values ... have different metadata"). Passing
-        ``context_fn=policy.checkpoint_context_fn()`` re-enters the op policy for the
-        recomputation. (Reentrant checkpointing has no such hook: it silently
-        recomputes the listed ops in 16 bits; prefer ``use_reentrant=False``.)"""
+        Needed only when ``python_only_ops`` is not empty (the fallback mode is thread-local and not replayed
+        by the recomputation) or the policy is not held with ``activate()`` through the backward: it re-enters
+        ``op_context()`` for the recomputation. With the policy active, checkpointing needs no ``context_fn``."""
 
         def context_fn() -> tuple[Any, Any]:
             return contextlib.nullcontext(), self.op_context()
@@ -234,7 +308,7 @@ class Fp32Policy:
 
     def describe(self) -> str:
         """Markdown tables of the FP32 ops and modules (for printing or a README)."""
-        return describe_policy(self._aliases, self._modules)
+        return describe_policy(self._aliases, self._modules, self._reach, self._python_only)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Fp32Policy):
