@@ -1,10 +1,10 @@
 """Module hooks that run a listed module's forward in FP32 (its parameters are kept FP32 by the masters).
 
 Forward hooks, so a module's ``forward`` is never replaced and ``remove()`` restores it exactly. The pre-hook
-upcasts the inputs and switches autocast off for the module's device type, so the whole subtree (children
-included) computes in FP32 with the FP32 parameters it has; the post-hook switches it back. Both are plain
-tensor ops and autocast toggles that Dynamo traces into the graph, so ``torch.compile(fullgraph=True)`` compiles
-a model with listed modules into as many graphs as without them.
+upcasts the inputs and sets autocast's low-precision dtype to FP32 for the module's device type, so the whole
+subtree (children included) computes in FP32; the post-hook sets it back. Both are plain tensor ops and autocast
+setters that Dynamo traces into the graph, so ``torch.compile(fullgraph=True)`` compiles a model with listed
+modules into as many graphs as without them.
 """
 
 from __future__ import annotations
@@ -23,17 +23,22 @@ from lightning_mp.fp32_mode import _native_mixed_batch_norm
 # Module hooks.
 # --------------------------------------------------------------------------------------
 
-# Per-thread stack of (module, device_type, autocast_was_enabled) for FP32 forwards in
-# progress. Autocast state is thread-local, so the bookkeeping is too; kept at module
-# level (not on the hook object) so that installed models stay deep-copyable/picklable.
-_FORWARD_FRAMES = threading.local()
+class _Frames(threading.local):
+    """Per-thread stack of (module, device_type, autocast dtype before, None if autocast was off) for FP32
+    forwards in progress. Autocast
+    state is thread-local, so the bookkeeping is too; kept at module level (not on the hook object) so that
+    installed models stay deep-copyable/picklable. The list exists from a thread's first access on (``__init__``
+    runs per thread): a lazily created one would make Dynamo recompile once it appears."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[nn.Module, str, torch.dtype | None]] = []
 
 
-def _frames() -> list[tuple[nn.Module, str, bool]]:
-    frames = getattr(_FORWARD_FRAMES, "stack", None)
-    if frames is None:
-        frames = _FORWARD_FRAMES.stack = []
-    return frames
+_FORWARD_FRAMES = _Frames()
+
+
+def _frames() -> list[tuple[nn.Module, str, torch.dtype | None]]:
+    return _FORWARD_FRAMES.stack
 
 
 def _upcast_tree(obj: Any) -> Any:
@@ -62,11 +67,14 @@ class _Fp32ForwardHooks:
     """Forward pre-hook + always-called forward hook that run a module's forward in FP32.
 
     The pre-hook upcasts 16-bit floating inputs (args and kwargs, nested, e.g.
-    LSTM's ``(h, c)``) and disables autocast for ``device_type``; the post-hook is
-    registered with ``always_call=True`` so it restores autocast even when forward
-    raises. (A BaseException such as KeyboardInterrupt skips it, but the enclosing
-    ``torch.autocast`` block restores its state on exit anyway.) Cost per call: two
-    Python hook calls plus the input upcast copies.
+    LSTM's ``(h, c)``) and, under autocast, makes FP32 autocast's low-precision dtype
+    for ``device_type`` (its matmuls, convolutions and RNNs then cast 16-bit arguments
+    up, not down); the post-hook is registered with ``always_call=True`` so it
+    restores autocast's dtype even when forward raises. (A BaseException such as
+    KeyboardInterrupt skips it, but the enclosing ``torch.autocast`` block restores
+    its state on exit anyway.) Cost per call: two Python hook calls plus the input
+    upcast copies; the listed ops inside (a LayerNorm's layer_norm) still pass the
+    policy's kernels while it is active.
 
     BatchNorm layers (``_BatchNorm``: BatchNorm1d/2d/3d, SyncBatchNorm, the lazy ones) whose parameters and
     running statistics are FP32 take a 16-bit input as it is, on devices whose kernels run batch norm in
@@ -84,11 +92,14 @@ class _Fp32ForwardHooks:
         ):
             args = _upcast_tree(args)
             kwargs = _upcast_tree(kwargs)
-        # install() checked that autocast knows device_type
-        was_enabled = torch.is_autocast_enabled(self.device_type)
-        _frames().append((module, self.device_type, was_enabled))
-        if was_enabled:
-            torch.set_autocast_enabled(self.device_type, False)
+        # FP32 through the whole subtree: autocast stays on with FP32 as its low-precision dtype, so a child's
+        # matmul or convolution (and a listed op) computes in FP32 even if its parameters are 16-bit; switching
+        # autocast off instead would make those raise on mixed dtypes. install() checked that autocast knows
+        # device_type; Dynamo traces both calls into the graph.
+        previous = torch.get_autocast_dtype(self.device_type) if torch.is_autocast_enabled(self.device_type) else None
+        _frames().append((module, self.device_type, previous))
+        if previous is not None:
+            torch.set_autocast_dtype(self.device_type, torch.float32)
         return args, kwargs
 
     def post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -96,9 +107,9 @@ class _Fp32ForwardHooks:
         # Only undo a frame this module pushed: if our own pre-hook never ran (an
         # earlier pre-hook raised), there is nothing to restore.
         if frames and frames[-1][0] is module:
-            _, device_type, was_enabled = frames.pop()
-            if was_enabled:
-                torch.set_autocast_enabled(device_type, True)
+            _, device_type, previous = frames.pop()
+            if previous is not None:
+                torch.set_autocast_dtype(device_type, previous)
         return None
 
 
