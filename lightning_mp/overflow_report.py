@@ -8,6 +8,7 @@ report, reading them all in one transfer per device.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -70,14 +71,26 @@ class OverflowReport:
 class _Found:
     seq: int
     report: OverflowReport
+    module: int = -1  # the module's index in the locator's lists
 
 
 def _first_report(
-    records: list[_Record], found: dict[int, _Found], names: list[str], types: list[str]
+    records: list[_Record],
+    found: dict[int, _Found],
+    names: list[str],
+    types: list[str],
+    parameters: Callable[[], _Found | None] | None = None,
+    forward_rank: Callable[[int], tuple[int, int]] | None = None,
 ) -> OverflowReport | None:
     """The first non-finite forward output among ``records`` and the CPU culprits ``found`` (phase index -> the
     first one, by sequence number), else the first non-finite gradient, else ``None``. ``names`` and ``types`` are
     the watched modules' qualified names and class names, by module index.
+
+    Gradients come from two places: input-gradient checks recorded during the backward (in ``records`` and
+    ``found``, first by sequence number), and ``parameters()``, called only when no forward output was non-finite:
+    the first non-finite parameter gradient in backward order. Of the two, the one whose module ran later in the
+    forward (``forward_rank``) came first in the backward; the parameter gradient wins a tie (the same module's
+    backward made both).
 
     Reads the device checks back in one transfer per device (a host sync).
     """
@@ -103,8 +116,12 @@ def _first_report(
             report = OverflowReport(PHASES[phase], names[module], types[module], tensor, value, amax)
             if phase == 0 and amax is not None and not math.isfinite(amax):
                 report = _own_code_report(records, names, types, pos, value, values, spans) or report
-            best = _Found(seq, report)
+            best = _Found(seq, report, module)
             break
+        if phase == 1 and parameters is not None:
+            param = parameters()
+            if param is not None and (best is None or forward_rank(param.module) >= forward_rank(best.module)):
+                best = param
         if best is not None:
             return best.report
     return None

@@ -5,16 +5,19 @@ Per optimizer, a training step moves READY -> UNSCALED -> STEPPED (torch's ``Gra
 * :meth:`MixedPrecisionStep.unscale_` divides the optimizer's gradients by the scale and checks them for inf/NaN
   in one fused pass, agrees on the flag across ranks, and returns it. It is idempotent within a training step, so
   clipping can call it early (manual optimization: ``manual_backward`` -> ``clip_gradients`` -> ``step``) and
-  the step does not unscale twice. This is the one host sync per optimizer step that deciding skip-or-step needs.
+  the step does not unscale twice. Its ``.item()`` is the one host sync per optimizer step that deciding
+  skip-or-step needs, and the only one the step makes (on CUDA nothing else reads the device).
 * :meth:`step` unscales if that has not happened yet, then skips (an overflow anywhere in this training step,
   this optimizer's or an earlier one's) or calls ``optimizer.step()``.
 * :meth:`end_training_step` moves the scale once per training step, however many optimizers stepped (Lightning's
   own AMP moves it once per optimizer, which makes the scale grow too fast with GANs).
 
 Costs: with scaling on, one read and write of every gradient (``_amp_foreach_non_finite_check_and_unscale_``).
-With scaling off and the guard on (bf16, fp32), a read-only check (a fused max-norm) that rewrites nothing. With
-scaling off and ``check_finite=False``, nothing at all: no pass over the gradients and no host sync, as in
-Lightning's ``bf16-mixed``.
+With scaling off and the guard on (bf16, fp32), a read-only check that rewrites nothing
+(:mod:`lightning_mp.grad_layout`). With scaling off and ``check_finite=False``, nothing at all: no pass over the
+gradients and no host sync, as in Lightning's ``bf16-mixed``. Gradients that tile one buffer (the flat FP32
+buffer master weights fold into) are passed as one view per buffer, and the lists are cached per optimizer: a
+steady-state step runs no Python loop over its parameters (a few C-level ``map`` passes check that nothing moved).
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_mp.distributed import agree_on_overflow_, contiguous_runs, run_view
+from lightning_mp import grad_layout
+from lightning_mp.distributed import agree_on_overflow_
+from lightning_mp.grad_layout import GradLayout, Grads, optimizer_params
 from lightning_mp.loss_scaler import LossScaler
-from lightning_mp.sharding import local
 
 _STATE_VERSION = 2
 
@@ -38,9 +43,15 @@ class MixedPrecisionStep:
     Args:
         scaler: the loss-scale state machine.
         check_finite: check gradients for inf/NaN and skip such steps even when the loss is not scaled.
-        fp32_grads: the optimizer must only ever read FP32 gradients (master weights); a 16-bit gradient raises.
+        fp32_grads: the optimizer must not read 16-bit (float16 / bfloat16) gradients (master weights); such a
+            gradient raises when the step reads the gradients (scaling or ``check_finite`` on). Other dtypes
+            (float64, complex) are the user's choice and pass.
         reduce_: averages a list of dense gradients across ranks in place (``None`` in a single process, or when
-            DDP already averaged them). Every rank passes the same list: missing gradients become zeros.
+            DDP already averaged them). Every rank passes the same list: a parameter without a gradient gets a
+            zero buffer of its own, allocated once and zeroed on each reuse.
+        on_overflow: called as ``on_overflow(optimizer)`` when this optimizer's gradients hold an inf/NaN, after
+            the flag was read and before the step drops them: the overflow locator reads them there. Never
+            called on a clean step.
     """
 
     def __init__(
@@ -50,13 +61,17 @@ class MixedPrecisionStep:
         check_finite: bool = True,
         fp32_grads: bool = False,
         reduce_: Callable[[list[Tensor]], None] | None = None,
+        on_overflow: Callable[[Optimizer], None] | None = None,
     ) -> None:
         self.scaler = scaler
         self.check_finite = check_finite
         self.fp32_grads = fp32_grads
         self.reduce_ = reduce_
+        self.on_overflow = on_overflow
         self._found: dict[int, bool] = {}  # id(optimizer) -> its flag, for the training step in progress
         self._found_inf = False
+        self._layouts: WeakIdKeyDictionary = WeakIdKeyDictionary()  # optimizer -> GradLayout
+        self._zero_grads: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its zero gradient (reduce_)
 
     @property
     def in_progress(self) -> bool:
@@ -74,11 +89,19 @@ class MixedPrecisionStep:
         key = id(optimizer)
         if key in self._found:
             return self._found[key]
-        grads = self._gradients(optimizer)
+        params = optimizer_params(optimizer)
+        if self.reduce_ is not None:
+            self._reduce(params)
         found = False
         if self.scaler.enabled or self.check_finite:
-            flag = self.scaler.unscale_and_check_(grads) if self.scaler.enabled else _non_finite_flag(grads)
+            grads = self._gradients(optimizer, params)
+            if self.scaler.enabled:
+                flag = self.scaler.unscale_and_check_(grads.tensors)
+            else:
+                flag = grad_layout.non_finite_flag(grads.groups)
             found = bool(agree_on_overflow_(flag).item())  # host sync: the one skip-or-step needs
+            if found and self.on_overflow is not None:
+                self.on_overflow(optimizer)  # only on a skip: the locator reads the gradients before they go
         self._found[key] = found
         self._found_inf = self._found_inf or found
         return found
@@ -105,40 +128,44 @@ class MixedPrecisionStep:
         self.scaler.update(found_inf, step=step)
 
     # ------------------------------------------------------------------ gradients
-    def _gradients(self, optimizer: Optimizer) -> list[Tensor]:
-        """The dense tensors to unscale and check: sparse gradients by their (coalesced) values, complex ones as
-        real pairs, as ``GradScaler`` treats them."""
-        dense: list[Tensor] = []
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if self.reduce_ is not None:
-            reducible = []
-            for p in params:
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)  # every rank must reduce the same list
-                if p.grad is not None and not p.grad.is_sparse:
-                    reducible.append(p.grad)
-            self.reduce_(reducible)
+    def _gradients(self, optimizer: Optimizer, params: list[Tensor]) -> Grads:
+        """This optimizer's gradients as the fused passes read them; the layout is rebuilt only when they moved."""
+        layout = self._layouts.get(optimizer)
+        grads = layout.read(params) if layout is not None else None
+        if grads is None:
+            layout = self._layouts[optimizer] = GradLayout(params, refuse_16_bit=self.fp32_grads)
+            grads = layout.read(params)
+        return grads
+
+    def _reduce(self, params: list[Tensor]) -> None:
+        """Average the dense gradients across ranks; every rank reduces the same list (DDP path only)."""
+        reducible = []
         for p in params:
-            g = p.grad
-            if g is None:
-                continue
-            if self.fp32_grads and g.is_floating_point() and g.dtype != torch.float32:
-                raise RuntimeError(
-                    f"A {g.dtype} gradient of a parameter of shape {tuple(p.shape)} reached the optimizer; under "
-                    "master weights it must only ever read FP32 gradients. HINT: call backward through Lightning "
-                    "(`self.manual_backward(loss)` in manual optimization), not on a 16-bit copy of a parameter "
-                    "made outside the plugin."
-                )
-            if g.is_sparse:
-                if not g.is_coalesced():
-                    p.grad = g = g.coalesce()  # then _values() is a view of what the optimizer reads
-                g = g._values()
-            g = local(g)  # FSDP2: unscale and check this rank's shard; the flag is agreed across ranks
-            if g.is_complex():
-                g = torch.view_as_real(g)
-            if g.numel():  # an FSDP2 shard can be empty on some ranks (a bias of 1 element over 2 ranks)
-                dense.append(g)
-        return dense
+            if p.requires_grad and p.grad is None:
+                p.grad = self._zero_grad(p)
+            if p.grad is not None and not p.grad.is_sparse:
+                reducible.append(p.grad)
+        self.reduce_(reducible)
+
+    def _zero_grad(self, p: Tensor) -> Tensor:
+        """A zero gradient for ``p``, the same buffer every step (a fresh one costs an allocation and the kernel's
+        zeroing of new pages each step), so the layout cache keeps it too."""
+        buf = self._zero_grads.get(p)
+        if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
+            buf = self._zero_grads[p] = torch.zeros_like(p)
+        else:
+            buf.zero_()  # the optimizer or the user may have written it since
+        return buf
+
+    # ------------------------------------------------------------------ pickling (spawned processes)
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)  # the caches hold weak references and this process's tensors: not sent
+        state["_layouts"], state["_zero_grads"] = None, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._layouts, self._zero_grads = WeakIdKeyDictionary(), WeakIdKeyDictionary()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -158,31 +185,3 @@ class MixedPrecisionStep:
             )
         self.scaler.load_state_dict(state["scaler"])
 
-
-@torch.no_grad()
-def _non_finite_flag(grads: list[Tensor]) -> Tensor:
-    """1.0 if any element is inf or NaN, read-only (no multiply by 1.0, nothing rewritten).
-
-    On CUDA one fused max-norm per (device, dtype) group; both inf and NaN propagate through it. On the CPU that
-    kernel is a slow per-tensor fallback (4 ms for 1.7M elements on one core, against 0.2 ms here): min and max
-    of each run of gradients that tile one buffer (the flat FP32 buffer the masters fold into) instead, which
-    also propagate both.
-    """
-    if not grads:
-        return torch.zeros(())
-    device = grads[0].device
-    flags = []
-    for (dev, _), group in _by_device_and_dtype(grads).items():
-        if dev.type == "cuda":
-            extremes = torch.stack(torch._foreach_norm(group, float("inf")))
-        else:
-            extremes = torch.cat([torch.stack(torch.aminmax(view)) for view in map(run_view, contiguous_runs(group))])
-        flags.append((~extremes.isfinite()).any().float().to(device))
-    return torch.stack(flags).amax()
-
-
-def _by_device_and_dtype(tensors: list[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    return groups

@@ -5,7 +5,16 @@ import math
 import pytest
 import torch
 
-from lightning_mp.finite_checks import _amax, _bare, _cpu_non_finite, _non_finite, _real_dense, _tensors, _to_host
+from lightning_mp.finite_checks import (
+    _amax,
+    _bare,
+    _cpu_non_finite,
+    _first_non_finite,
+    _non_finite,
+    _real_dense,
+    _tensors,
+    _to_host,
+)
 from lightning_mp.fp32_policy import Fp32Policy
 
 
@@ -55,9 +64,26 @@ def test_the_tensors_of_an_output_one_level_deep():
     assert list(_tensors([(a,)])) == [] and list(_tensors(None)) == []
 
 
-def test_checks_run_outside_the_fp32_policy():
-    x = torch.ones(4, dtype=torch.half)
-    with Fp32Policy().op_context():
+def test_checks_run_outside_autocast_and_the_fp32_policy():
+    x = torch.ones(4, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16), Fp32Policy().op_context():
         assert torch.softmax(x, 0).dtype == torch.float32
+        assert torch.mm(x.float().view(2, 2), x.float().view(2, 2)).dtype == torch.bfloat16
         with _bare():
-            assert torch.softmax(x, 0).dtype == torch.half
+            assert torch.softmax(x, 0).dtype == torch.bfloat16
+            assert torch.mm(x.float().view(2, 2), x.float().view(2, 2)).dtype == torch.float32
+
+
+def test_first_non_finite_names_the_first_tensor_in_the_order_given_and_its_value():
+    a, b, c = torch.ones(4), torch.tensor([1.0, -math.inf]), torch.tensor([math.nan])
+    assert _first_non_finite([a, b, c]) == (1, "-inf")
+    assert _first_non_finite([c, b]) == (0, "nan")
+    assert _first_non_finite([a, torch.ones(2, dtype=torch.float64)]) is None
+    assert _first_non_finite([]) is None
+
+
+def test_first_non_finite_is_not_fooled_by_a_norm_that_overflows():
+    fp16 = torch.full((1000,), 60000.0, dtype=torch.half)  # a 16-bit norm would be inf
+    huge = torch.full((4,), 1e30)  # an FP32 2-norm overflows, no element does
+    assert _first_non_finite([fp16, huge]) is None
+    assert _first_non_finite([fp16, huge, torch.tensor([math.inf], dtype=torch.bfloat16)]) == (2, "inf")

@@ -1,6 +1,7 @@
 """OverflowLocator without a Trainer: which module it names, in which phase, what it costs to leave installed."""
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -74,6 +75,7 @@ def half_mlp(middle):
 
 
 def step(model, locator, x, scale=1.0):
+    model.zero_grad(set_to_none=True)  # the gradients of this step only, as an optimizer loop sees them
     locator.begin_step()
     (model(x).float().sum() * scale).backward()
     return locator.report()
@@ -225,6 +227,93 @@ def test_each_activation_is_checked_once_in_the_device_path(monkeypatch):
     assert forward == ["0.0", "0.1", "1"]  # not "0" (same tensor as "0.1") and not "" (same as "1")
 
 
+# ---------------------------------------------------------------------------------------------- skipped steps
+class LinearsOutOfOrder(nn.Module):
+    """Registers `late` before `early` but runs `early` first."""
+
+    def __init__(self):
+        super().__init__()
+        self.late = nn.Linear(4, 1)
+        self.early = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.late(self.early(x))
+
+
+def nan_step(model, locator):
+    model.zero_grad(set_to_none=True)
+    locator.begin_step()
+    (model(torch.ones(2, 4)).sum() * math.nan).backward()  # every gradient NaN: the order alone decides
+
+
+def test_with_forward_checks_off_a_clean_step_installs_nothing_and_reads_nothing(monkeypatch):
+    model = half_mlp(Scale(1.0))
+    locator = OverflowLocator(model, forward=False)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert all(not p._backward_hooks for p in model.parameters())
+    for name in ("_cpu_non_finite", "_first_non_finite", "_host_amax"):
+        monkeypatch.setattr(ol, name, mock.Mock(side_effect=AssertionError(f"{name} on a clean step")))
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        locator.begin_step()
+        model(X).float().sum().backward()
+    assert not locator._records and not locator._found and not locator._known
+
+
+def test_armed_at_a_skip_the_forward_checks_name_the_module_from_the_next_skip(path):
+    model = half_mlp(Scale(1e6))
+    locator = OverflowLocator(model, forward=False)
+    first = step(model, locator, X)  # no forward hook yet: the gradients say where the inf landed
+    assert (first.phase, first.module, first.module_type) == ("backward", "3", "Linear")
+    locator.check_forward = True
+    assert all(m._forward_hooks and m._forward_pre_hooks for m in model.modules())
+    report = step(model, locator, X)
+    assert (report.phase, report.module) == ("forward", "1")
+    locator.check_forward = False
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_backward_order_is_the_reverse_of_execution_order_once_the_forward_hooks_saw_a_forward():
+    model = LinearsOutOfOrder()
+    locator = OverflowLocator(model, forward=False)
+    nan_step(model, locator)
+    # no hook has seen a forward: registration order (`late` first), reversed, wrongly puts `early` last
+    assert locator.report().module == "early"
+    locator.check_forward = True
+    nan_step(model, locator)
+    assert locator.report() == OverflowReport("backward", "late", "Linear", "gradient of bias", "nan")
+
+
+def test_gradients_handed_over_before_they_are_dropped_are_reported_after():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    locator = OverflowLocator(model, forward=False)
+    nan_step(model, locator)
+    named = [(n, p.grad) for n, p in model.named_parameters()]
+    assert locator.locate_gradients(named[2:]).module == "1"
+    model.zero_grad(set_to_none=True)  # what a skipped step does to the optimizer's gradients
+    assert locator.report().module == "1"
+
+
+def test_of_several_optimizers_the_gradient_earliest_in_the_backward_wins_whatever_the_call_order():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    locator = OverflowLocator(model, forward=False)
+    nan_step(model, locator)
+    named = [(n, p.grad) for n, p in model.named_parameters()]
+    locator.locate_gradients(named[2:])  # the second optimizer steps first
+    assert locator.locate_gradients(named[:2]).module == "1"
+    assert locator.report().module == "1"
+    locator.begin_step()
+    assert locator.locate_gradients([(n, torch.zeros_like(g)) for n, g in named]) is None
+
+
+def test_a_parameter_added_after_the_locator_is_named_by_its_module():
+    model = nn.Sequential(nn.Linear(4, 4))
+    locator = OverflowLocator(model, forward=False)
+    model[0].scale = nn.Parameter(torch.ones(1))
+    report = locator.locate_gradients([("0.weight", torch.ones(4, 4)), ("0.scale", torch.tensor([math.inf]))])
+    assert (report.module, report.module_type, report.tensor) == ("0", "Linear", "gradient of scale")
+
+
 # ---------------------------------------------------------------------------------------------- arguments
 @pytest.mark.parametrize("bad", [None, "model", 3])
 def test_model_must_be_a_module(bad):
@@ -233,9 +322,12 @@ def test_model_must_be_a_module(bad):
 
 
 @pytest.mark.parametrize("bad", [1, "yes", None])
-def test_input_grads_must_be_a_bool(bad):
-    with pytest.raises(ValueError, match=rf"input_grads={bad!r} is not allowed: use True or False"):
-        OverflowLocator(nn.Linear(2, 2), input_grads=bad)
+@pytest.mark.parametrize("arg", ["input_grads", "forward"])
+def test_input_grads_and_forward_must_be_bools(arg, bad):
+    with pytest.raises(ValueError, match=rf"{arg}={bad!r} is not allowed: use True or False"):
+        OverflowLocator(nn.Linear(2, 2), **{arg: bad})
+    with pytest.raises(ValueError, match=rf"check_forward={bad!r} is not allowed"):
+        OverflowLocator(nn.Linear(2, 2)).check_forward = bad
 
 
 # ---------------------------------------------------------------------------------------------- CUDA

@@ -60,3 +60,19 @@ def test_a_non_finite_input_made_by_the_parents_own_code_names_the_parent():
     ]
     report = _first_report(records, {}, NAMES, TYPES)
     assert report == OverflowReport("forward", "block", "Block", "own code", "inf", 0.5)
+
+
+def test_of_an_input_gradient_and_a_parameter_gradient_the_module_later_in_the_forward_came_first():
+    records = [(1, 1, 1, "input gradient", t(0.0, INF), None)]  # `block`'s input gradient, during the backward
+    linear = _Found(0, OverflowReport("backward", "block.linear", "Linear", "gradient of weight", "inf"), 2)
+    root = _Found(0, OverflowReport("backward", "", "Net", "gradient of scale", "nan"), 0)
+    rank = {0: (0, 0), 1: (1, 1), 2: (2, 2)}.__getitem__  # forward execution order: "", block, block.linear
+    assert _first_report(records, {}, NAMES, TYPES, lambda: linear, rank) is linear.report
+    assert _first_report(records, {}, NAMES, TYPES, lambda: root, rank).tensor == "input gradient"
+    assert _first_report([], {}, NAMES, TYPES, lambda: root, rank) is root.report
+
+
+def test_the_parameter_gradients_are_not_read_when_a_forward_output_was_non_finite():
+    records = [(1, 1, 0, "output", t(0.0, INF), t(0.0, 1.0))]
+    never = lambda: pytest.fail("read the gradients although the forward named the culprit")  # noqa: E731
+    assert _first_report(records, {}, NAMES, TYPES, never, None).phase == "forward"

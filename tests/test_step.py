@@ -1,13 +1,17 @@
 """MixedPrecisionStep with plain optimizers: no Trainer, no plugin."""
 
+import pickle
+import warnings
 from unittest import mock
 
 import pytest
 import torch
 from torch import nn
 
+from lightning_mp.grad_layout import GradLayout
 from lightning_mp.loss_scaler import LossScaler
 from lightning_mp.step import MixedPrecisionStep
+from tests.conftest import cuda
 
 
 def sgd(value=1.0, grad=None, lr=1.0, shape=(3,)):
@@ -74,19 +78,11 @@ def test_guard_off_and_no_scaling_costs_no_pass_and_no_host_sync():
     step = MixedPrecisionStep(LossScaler(None), check_finite=False)
     p, opt = sgd(grad=float("nan"))
     with mock.patch.object(torch.Tensor, "item", side_effect=AssertionError("host sync")), mock.patch(
-        "lightning_mp.step._non_finite_flag", side_effect=AssertionError("pass over the gradients")
+        "lightning_mp.grad_layout.non_finite_flag", side_effect=AssertionError("pass over the gradients")
     ):
         assert step.unscale_(opt) is False
         step.step(opt)
     assert p.detach().isnan().all()  # the user's choice: nothing stops the NaN (as in bf16-mixed)
-
-
-def test_a_16_bit_gradient_reaching_the_optimizer_under_master_weights_raises_with_a_hint():
-    step = MixedPrecisionStep(LossScaler(None), fp32_grads=True)
-    p = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
-    p.grad = torch.ones(3, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"torch.bfloat16 gradient.*HINT"):
-        step.unscale_(torch.optim.SGD([p], lr=1.0))
 
 
 def test_sparse_and_complex_gradients_are_unscaled_and_checked():
@@ -140,3 +136,203 @@ def test_state_round_trip_and_a_newer_version_is_refused():
         other.load_state_dict({**state, "version": 3})
     with pytest.raises(KeyError, match="'scaler'"):
         other.load_state_dict({"version": 2})
+
+
+# ---------------------------------------------------------------------------------------------- gradient layout
+def flat_model(n_tiled=3, n_loose=2):
+    """Parameters as master weights leave them: the first ``n_tiled`` gradients are views of one flat FP32 buffer
+    (laid out in reverse, so the optimizer's order is not the buffer's), the rest ordinary tensors, interleaved."""
+    tiled = [nn.Parameter(torch.ones(2, 2)) for _ in range(n_tiled)]
+    loose = [nn.Parameter(torch.ones(3)) for _ in range(n_loose)]
+    flat = torch.zeros(4 * n_tiled)
+    for p, view in zip(reversed(tiled), flat.split(4)):
+        p.grad = view.view(2, 2)
+    for p in loose:
+        p.grad = torch.zeros(3)
+    params = [p for pair in zip(tiled, loose) for p in pair] + tiled[len(loose) :]
+    return params, tiled, loose, flat
+
+
+def fresh_loose_grads(loose, value=0.0):
+    for p in loose:  # what autograd does for kept-FP32 parameters after zero_grad(set_to_none=True)
+        p.grad = torch.full((3,), value)
+
+
+def test_a_flat_buffer_is_read_as_one_view_whatever_the_parameter_order():
+    params, tiled, loose, flat = flat_model()
+    grads = GradLayout(params).read(params)
+    runs, rest, large, _ = grads.groups[(torch.device("cpu"), torch.float32)]
+    assert len(runs) == 1 and runs[0].data_ptr() == flat.data_ptr() and runs[0].numel() == flat.numel() and not large
+    assert [g is p.grad for g, p in zip(rest, loose)] == [True, True]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", ["flat buffer", "loose gradient"])
+def test_the_read_only_check_finds_every_non_finite_value_in_the_buffer_and_outside_it(value, where):
+    params, tiled, loose, flat = flat_model()
+    step = MixedPrecisionStep(LossScaler(None))
+    opt = torch.optim.SGD(params, lr=1.0)
+    assert step.unscale_(opt) is False
+    step.end_training_step()
+    (flat if where == "flat buffer" else loose[1].grad)[-1] = value
+    versions = [p.grad._version for p in params]
+    assert step.unscale_(opt) is True
+    assert [p.grad._version for p in params] == versions  # read-only: nothing rewritten
+
+
+@pytest.mark.parametrize("shapes", [[(3,), (5,)], [(2, 3), (4,)], [(5000,), (3,)], [(70, 70)]])
+def test_small_loose_gradients_are_read_together_and_large_ones_alone_each_checked(shapes):
+    # small ones (<= 4096 elements) are concatenated for one CPU sum (1-D: cat; else flattened), large ones summed
+    params = [nn.Parameter(torch.ones(shape)) for shape in shapes]
+    step = MixedPrecisionStep(LossScaler(None))
+    opt = torch.optim.SGD(params, lr=1.0)
+    for target in params:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        assert step.unscale_(opt) is False
+        step.end_training_step()
+        target.grad.view(-1)[-1] = float("-inf")
+        assert step.unscale_(opt) is True
+        step.end_training_step()
+
+
+def test_the_scaler_unscales_the_flat_buffer_through_its_view_and_the_loose_gradients():
+    params, tiled, loose, flat = flat_model()
+    flat.fill_(8.0)
+    fresh_loose_grads(loose, 8.0)
+    step = MixedPrecisionStep(LossScaler("dynamic", init_scale=8.0))
+    assert step.unscale_(torch.optim.SGD(params, lr=1.0)) is False
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in params)
+
+
+def test_the_layout_is_kept_across_steps_and_rebuilt_only_when_gradients_or_groups_move():
+    params, tiled, loose, flat = flat_model()
+    opt = torch.optim.SGD(params, lr=1.0)
+    step = MixedPrecisionStep(LossScaler(None))
+
+    def builds():
+        with mock.patch("lightning_mp.step.GradLayout", wraps=GradLayout) as built:
+            step.unscale_(opt)
+            step.end_training_step()
+        return built.call_count
+
+    assert builds() == 1
+    fresh_loose_grads(loose)  # new loose tensors every step: re-read, not rebuilt
+    assert builds() == 0
+    tiled[0].grad = torch.zeros(2, 2)  # the buffer moved
+    assert builds() == 1
+    extra = nn.Parameter(torch.ones(1))
+    opt.add_param_group({"params": [extra]})
+    assert builds() == 1
+    extra.grad = torch.zeros(1)  # a gradient appeared
+    assert builds() == 1
+    loose[0].grad = None  # one went away
+    assert builds() == 1
+    loose[0].grad = torch.zeros(3, dtype=torch.float32).to_sparse()  # a loose gradient turned sparse
+    assert builds() == 1
+
+
+def test_a_new_loose_gradient_is_checked_in_the_cached_layout():
+    params, tiled, loose, flat = flat_model()
+    opt = torch.optim.SGD(params, lr=1.0)
+    step = MixedPrecisionStep(LossScaler(None))
+    assert step.unscale_(opt) is False
+    step.end_training_step()
+    fresh_loose_grads(loose, float("nan"))
+    assert step.unscale_(opt) is True
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_gradients_whose_sum_passes_65504_are_finite(dtype):
+    # no master weights: 16-bit gradients reach the check; a 16-bit sum or norm of these rounds to inf
+    p = nn.Parameter(torch.ones(1000, dtype=dtype))
+    p.grad = torch.full((1000,), 60000.0, dtype=dtype)
+    step = MixedPrecisionStep(LossScaler(None))
+    assert step.unscale_(torch.optim.SGD([p], lr=1.0)) is False
+    step.end_training_step()
+    p.grad[3] = float("-inf")
+    assert step.unscale_(torch.optim.SGD([p], lr=1.0)) is True
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_master_weight_guard_refuses_16_bit_gradients(dtype):
+    p = nn.Parameter(torch.ones(3, dtype=dtype))
+    p.grad = torch.ones(3, dtype=dtype)
+    with pytest.raises(RuntimeError, match=rf"{dtype} gradient.*must not read 16-bit.*HINT"):
+        MixedPrecisionStep(LossScaler(None), fp32_grads=True).unscale_(torch.optim.SGD([p], lr=1.0))
+
+
+def test_the_master_weight_guard_lets_float64_gradients_through_and_checks_them():
+    p = nn.Parameter(torch.ones(3, dtype=torch.float64))
+    p.grad = torch.ones(3, dtype=torch.float64)
+    step = MixedPrecisionStep(LossScaler("dynamic", init_scale=2.0), fp32_grads=True)
+    opt = torch.optim.SGD([p], lr=1.0)
+    assert step.unscale_(opt) is False and torch.equal(p.grad, torch.full((3,), 0.5, dtype=torch.float64))
+    step.end_training_step()
+    p.grad[0] = float("inf")
+    assert step.unscale_(opt) is True
+
+
+def test_under_reduce_a_missing_gradient_reuses_one_zeroed_buffer():
+    step = MixedPrecisionStep(LossScaler(None), reduce_=lambda grads: None)
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([a, b], lr=1.0)
+    a.grad = torch.ones(2)
+    step.unscale_(opt)
+    step.end_training_step()
+    buffer = b.grad
+    buffer.fill_(7.0)  # written since (by the user, say): zeroed again when reused
+    opt.zero_grad(set_to_none=True)
+    a.grad = torch.ones(2)
+    step.unscale_(opt)
+    assert b.grad is buffer and torch.equal(buffer, torch.zeros(3))
+
+
+def test_on_overflow_runs_only_on_a_skip_while_the_gradients_are_still_there():
+    seen = []
+    p, opt = sgd(grad=1.0)
+    step = MixedPrecisionStep(LossScaler(None), on_overflow=lambda optimizer: seen.append((optimizer, p.grad)))
+    step.step(opt)
+    step.end_training_step()
+    assert seen == []
+    p.grad = torch.full((3,), float("nan"))
+    assert step.step(opt) is None
+    assert len(seen) == 1 and seen[0][0] is opt and seen[0][1].isnan().all() and p.grad is None
+
+
+def test_a_step_with_cached_layouts_pickles_and_works_after():
+    params, tiled, loose, flat = flat_model()
+    step = MixedPrecisionStep(LossScaler(None), reduce_=None)
+    step.unscale_(torch.optim.SGD(params, lr=1.0))
+    step.end_training_step()
+    copy = pickle.loads(pickle.dumps(step))  # ddp_spawn sends the plugin to each process
+    p, opt = sgd(grad=float("nan"))
+    assert copy.unscale_(opt) is True
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("scale", [None, "dynamic"])
+def test_on_cuda_the_step_makes_one_host_sync(scale):
+    params, tiled, loose, flat = flat_model()
+    params = [nn.Parameter(p.detach().cuda()) for p in params]
+    flat = torch.zeros(sum(p.numel() for p in params[:3]), device="cuda")
+    for p, view in zip(params[:3], flat.split(4)):
+        p.grad = view.view_as(p)
+    for p in params[3:]:
+        p.grad = torch.zeros_like(p)
+    step = MixedPrecisionStep(LossScaler(scale))
+    opt = torch.optim.SGD(params, lr=1.0)
+    for _ in range(2):  # the second step runs on the cached layout
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert step.unscale_(opt) is False
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1
+        step.end_training_step()
+    flat[5] = float("nan")
+    assert step.unscale_(opt) is True
