@@ -43,11 +43,14 @@ _ATEN_EXTRA: dict[str, tuple[str, ...]] = {
     "true_divide": ("div",),  # x / y is aten::div
 }
 
-# Pure-Python composites: the aten packets through which their result is FP32, and what stays 16-bit.
+# Pure-Python composites: the listed op names through which their result is FP32, and what stays 16-bit.
 _COMPOSITE_VIA: dict[str, tuple[tuple[str, ...], str]] = {
     "softmin": (("softmax",), "computes (-x).softmax(); the negation is exact"),
-    "gumbel_softmax": (("softmax", "log"), "the Gumbel noise is drawn in the logits' dtype, its log and the softmax in FP32"),
-    "normalize": (("linalg_vector_norm",), "x / norm(x): the norm in FP32, the division promotes to FP32"),
+    "gumbel_softmax": (
+        ("softmax", "log"),
+        "the Gumbel noise is drawn in the logits' dtype, its log and the softmax in FP32",
+    ),
+    "normalize": (("vector_norm",), "x / norm(x): the norm in FP32, the division promotes to FP32"),
     "local_response_norm": (
         ("pow",),
         "as a functional its squares are averaged in 16 bits (fp16 overflows for abs(x) > 256), the pow and division "
@@ -117,8 +120,9 @@ class Rule(NamedTuple):
 class OpReach(NamedTuple):
     """Where one op name becomes FP32."""
 
-    packets: tuple[str, ...]  # aten ops it lowers to ("" if a pure-Python composite)
-    via: tuple[str, ...]  # composite: the aten packets that make its result FP32
+    packets: tuple[str, ...]  # aten ops it lowers to (none: a pure-Python composite)
+    via_names: tuple[str, ...]  # composite: the op names that make its result FP32 when listed
+    via: frozenset[str]  # ... and their aten ops: covered when all of them have kernels (or are autocast's)
     note: str
 
 
@@ -173,9 +177,10 @@ def reach_of(name: str, aliases: tuple[tuple[str, Callable[..., Any]], ...]) -> 
         if packet and packet not in packets and _packet_exists(packet):
             packets.append(packet)
     if packets:
-        return OpReach(tuple(packets), (), _NOTES.get(name, ""))
-    via, note = _COMPOSITE_VIA.get(name, ((), ""))
-    return OpReach((), via, note)
+        return OpReach(tuple(packets), (), frozenset(), _NOTES.get(name, ""))
+    via_names, note = _COMPOSITE_VIA.get(name, ((), ""))
+    via = frozenset(p for n in via_names for p in (n, *_ATEN_EXTRA.get(n, ())) if _packet_exists(p))
+    return OpReach((), via_names, via, note)
 
 
 def _autocast_fp32(key: str, overload: str) -> bool:

@@ -76,13 +76,13 @@ def _where(name: str, reach: Mapping[str, OpReach] | None, python_only: frozense
     if found.packets:
         where = "aten " + ", ".join(f"`{packet}`" for packet in found.packets)
     elif name in python_only:
-        via = f" (FP32 through {', '.join(f'`{p}`' for p in found.via)} when those are listed)" if found.via else ""
+        via = f" (FP32 through {', '.join(f'`{n}`' for n in found.via_names)} when listed)" if found.via_names else ""
         where = (
             "pure-Python composite intercepted in Python by `op_context()`: ~1 us on every torch call in it, "
             f"not replayed by activation checkpointing{via}"
         )
     else:
-        where = "pure-Python composite, FP32 through aten " + ", ".join(f"`{p}`" for p in found.via)
+        where = "pure-Python composite, FP32 through the listed " + ", ".join(f"`{n}`" for n in found.via_names)
     return f"{where}; {found.note}" if found.note else where
 
 

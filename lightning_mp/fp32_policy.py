@@ -19,7 +19,7 @@ the FP32 part explicit and identical everywhere:
 
 Users edit the lists with ordinary set/tuple operations::
 
-    Fp32Policy(ops=DEFAULT_FP32_OPS - {"softmax"})
+    Fp32Policy(ops=DEFAULT_FP32_OPS - {"softmax", "softmin", "gumbel_softmax"})
     Fp32Policy(ops=DEFAULT_FP32_OPS | {"tanh", torch.sigmoid})
     Fp32Policy(modules=NORM_MODULES)                      # RNNs back to 16 bits
 
@@ -34,6 +34,7 @@ here.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
@@ -118,6 +119,19 @@ def _validate_ops(ops: Any) -> dict[str, tuple[tuple[str, Callable[..., Any]], .
 _NULL_CONTEXT = contextlib.nullcontext()
 
 
+def _warn_python_only(names: frozenset[str], reach: dict[str, OpReach]) -> None:
+    via = sorted({n for name in names for n in reach[name].via_names})
+    hint = f"also remove {sorted(names)}" + (f", or list {via}" if via else "")
+    warnings.warn(
+        f"fp32_ops: {sorted(names)} have no aten op of their own"
+        + (f" and the ops they are FP32 through ({', '.join(via)}) are not listed" if via else "")
+        + ", so op_context() intercepts them with a torch-function mode: about 1 us on every torch call inside "
+        f"it, and activation checkpointing needs policy.checkpoint_context_fn(). HINT: {hint}.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 class _OpContext:
     """``op_context()``: a hold on the policy's kernels for the block, plus the Python fallback mode if needed."""
 
@@ -168,7 +182,8 @@ class Fp32Policy:
     Pure-Python composites (``F.softmin``, ``F.normalize``, ...) have no aten op of their own: they are FP32
     through the listed ops they call, and where those are not listed (``DEFAULT_FP32_OPS - {"softmax"}`` keeps
     ``softmin``), ``op_context()`` intercepts them with a torch-function mode, which costs about a microsecond
-    on *every* torch call inside it; ``describe()`` says which names are handled how.
+    on *every* torch call inside it (a ``UserWarning`` says so when the policy is built); ``describe()`` says
+    which names are handled how.
     """
 
     def __init__(
@@ -185,8 +200,10 @@ class Fp32Policy:
         # The fallback mode's table: callable -> whether it takes dtype= (see _call_fp32).
         self._python_only = frozenset(
             name for name, reach in self._reach.items()
-            if not reach.packets and not (reach.via and set(reach.via) <= self._packets)
+            if not reach.packets and not (reach.via and reach.via <= self._packets)
         )
+        if self._python_only:
+            _warn_python_only(self._python_only, self._reach)
         self._table: dict[Callable[..., Any], bool] = {
             func: name in _DTYPE_OPS for name in self._python_only for _, func in self._aliases[name]
         }
@@ -224,7 +241,8 @@ class Fp32Policy:
     def kernel_plan(self) -> frozenset[tuple[str, str, Any]]:
         """(autocast key, aten overload, rule) for every kernel :meth:`activate` registers (computed once)."""
         if self._plan is None:
-            self._plan = frozenset((key, overload, rule) for (key, overload), rule in kernel_plan(self._packets).items())
+            plan = kernel_plan(self._packets)
+            self._plan = frozenset((key, overload, rule) for (key, overload), rule in plan.items())
         return self._plan
 
     def activate(self) -> Fp32Activation:

@@ -130,7 +130,7 @@ def test_batch_norm_with_fp32_statistics_stays_mixed_dtype() -> None:
 
 def test_the_op_set_follows_the_policy_and_holds_add_up() -> None:
     y = torch.randn(4, 8, dtype=torch.bfloat16)
-    no_softmax = Fp32Policy(ops=DEFAULT_FP32_OPS - {"softmax"})
+    no_softmax = Fp32Policy(ops=DEFAULT_FP32_OPS - {"softmax", "softmin", "gumbel_softmax"})
     only_exp = Fp32Policy(ops={"exp"}, modules=())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with no_softmax.activate():
@@ -180,7 +180,8 @@ def test_cuda_kernels_only_where_cuda_autocast_differs() -> None:
     cpu = {overload for key, overload, _ in plan if key == "AutocastCPU"}
     # CUDA autocast runs softmax, sum, layer_norm, exp, the losses, upsampling in FP32 by itself
     assert {"mean", "mean.dim", "_softmax", "batch_norm", "binary_cross_entropy", "rms_norm"} <= cuda
-    assert not {"softmax.int", "sum", "sum.dim_IntList", "layer_norm", "exp", "mse_loss", "upsample_bilinear2d.vec"} & cuda
+    assert not {"softmax.int", "sum", "sum.dim_IntList", "layer_norm", "exp", "mse_loss"} & cuda
+    assert not {"upsample_linear1d.vec", "upsample_bilinear2d.vec"} & cuda  # composites of CUDA's FP32 upsampling
     # CPU autocast runs only the losses (and prod, cdist) in FP32
     assert {"softmax.int", "sum", "layer_norm", "native_layer_norm", "exp", "upsample_bilinear2d.vec"} <= cpu
     assert not {"mse_loss", "nll_loss", "cross_entropy_loss", "prod", "binary_cross_entropy"} & cpu
@@ -212,9 +213,12 @@ def test_ops_left_to_cpu_autocast_are_fp32_there() -> None:
     logits, target = torch.randn(4, 5, dtype=torch.bfloat16), torch.tensor([0, 1, 2, 3])
     probs = torch.rand(4, 5, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        for out in (F.cross_entropy(logits, target), F.nll_loss(logits, target), F.mse_loss(logits, probs),
-                    F.l1_loss(logits, probs), F.kl_div(logits, probs, reduction="batchmean"), F.binary_cross_entropy(probs, probs),
-                    F.binary_cross_entropy_with_logits(logits, probs), logits.prod(), torch.cdist(logits, logits)):
+        for out in (
+            F.cross_entropy(logits, target), F.nll_loss(logits, target), F.mse_loss(logits, probs),
+            F.l1_loss(logits, probs), F.kl_div(logits, probs, reduction="batchmean"),
+            F.binary_cross_entropy(probs, probs), F.binary_cross_entropy_with_logits(logits, probs), logits.prod(),
+            torch.cdist(logits, logits),
+        ):
             assert out.dtype == torch.float32
 
 
@@ -225,15 +229,19 @@ def test_default_list_needs_no_python_fallback() -> None:
     policy = Fp32Policy()
     assert policy.python_only_ops == frozenset()
     text = policy.describe()
-    assert "aten `softmax`, `_softmax`" in text and "FP32 through aten `softmax`" in text
+    assert "aten `softmax`, `_softmax`" in text and "FP32 through the listed `softmax`" in text
 
 
 def test_a_composite_whose_ops_are_not_listed_falls_back_to_python() -> None:
     y = torch.randn(2, 8, dtype=torch.bfloat16)
-    policy = Fp32Policy(ops=DEFAULT_FP32_OPS - {"softmax"})
+    hint = r"HINT: also remove \['gumbel_softmax', 'softmin'\], or list \['log', 'softmax'\]"
+    with pytest.warns(UserWarning, match=hint):
+        policy = Fp32Policy(ops=DEFAULT_FP32_OPS - {"softmax"})
     assert policy.python_only_ops == {"softmin", "gumbel_softmax"}
+    assert Fp32Policy(ops=DEFAULT_FP32_OPS - {"softmax", "softmin", "gumbel_softmax"}).python_only_ops == frozenset()
     assert "intercepted in Python" in policy.describe()
-    user = Fp32Policy(ops={"softsign"}, modules=())  # F.softsign is x / (1 + |x|) in Python
+    with pytest.warns(UserWarning, match="no aten op of their own, so"):
+        user = Fp32Policy(ops={"softsign"}, modules=())  # F.softsign is x / (1 + |x|) in Python
     assert user.python_only_ops == {"softsign"}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with policy.op_context():
@@ -251,7 +259,8 @@ class _Block(nn.Module):
 
     def __init__(self, dim: int = 16, heads: int = 2) -> None:
         super().__init__()
-        self.norm, self.qkv, self.proj, self.heads = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), heads
+        self.norm, self.qkv, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.heads = heads
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, d = x.shape
