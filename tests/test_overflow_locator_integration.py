@@ -26,19 +26,23 @@ def fit(model, plugin, max_steps=3):
 
 
 def test_a_forward_overflow_stops_the_run_naming_the_module_in_the_error_the_log_and_the_property(caplog):
-    plugin = MixedPrecisionPlugin("fp16", init_scale=1.0, min_scale=1.0)
+    # a clean step checks nothing: the first skip names the first non-finite gradient and arms the forward checks,
+    # which name the module from the second skip on
+    plugin = MixedPrecisionPlugin("fp16", init_scale=2.0, min_scale=1.0)
     with caplog.at_level(logging.WARNING, logger="lightning_mp.plugin"):
         with pytest.raises(FloatingPointError) as err:
             fit(Middle(Scale(1e6)), plugin)
     message = str(err.value)
     # the scaler's own message is kept: the step, the scale and the hint, then where it went non-finite
-    assert message.startswith("Non-finite gradients at step 0 with loss scale 1") and "HINT:" in message
+    assert message.startswith("Non-finite gradients at step 1 with loss scale 1") and "HINT:" in message
     assert "Where it first went non-finite: forward overflow in `net.1` (Scale): output went inf" in message
     assert "net.0" not in message  # the Linear before it ran finite, and is not blamed
     report = plugin.last_overflow
     assert (report.phase, report.module, report.module_type, report.tensor) == ("forward", "net.1", "Scale", "output")
     assert 0 < report.input_amax < 65504  # a finite input, so the overflow is the module's own doing
-    assert [r.getMessage() for r in caplog.records] == [f"step 0 skipped (loss scale 1): {report}"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("step 0 skipped (loss scale 2): backward overflow in `net.3` (Linear)")
+    assert lines[1:] == [f"step 1 skipped (loss scale 1): {report}"]
 
 
 def test_a_backward_only_overflow_is_named_as_backward_and_the_run_goes_on():
