@@ -16,8 +16,8 @@ What it costs
 Unlisted ops: nothing (the dispatcher's table lookup is the same with or without the registrations). Outside
 ``torch.autocast`` nothing runs either: the keys are excluded from dispatch then. A listed op pays a Python
 call (a few microseconds) plus the upcast copies autocast's FP32 list also makes (read 2 bytes, write 4 per
-element of each 16-bit input) and an FP32 output. Registering or removing a plan takes well under a
-millisecond per hundred overloads.
+element of each 16-bit input) and an FP32 output. Registering a plan is a one-off per fit (a table update per
+overload), not per step.
 
 Why process-global
 ------------------

@@ -251,9 +251,13 @@ class Fp32Policy:
         Registers the policy's kernels at the autocast keys; the handle's ``remove()`` (or leaving it as a
         context manager) takes them out when the last hold goes. Holds are counted: activating the same or
         another policy again while active only adds a hold; while several different policies are active, the
-        union of their ops is FP32. Active for every thread and for the backward pass, so activation
-        checkpointing (reentrant or not) recomputes the listed ops in FP32 without a ``context_fn``. Hold it
-        for a whole fit (a plugin: from setup to teardown); registering costs about a millisecond."""
+        union of their ops is FP32. Active for every thread and through the backward pass, so activation
+        checkpointing (reentrant or not), which replays autocast for its recomputation, recomputes the listed
+        ops in FP32 without a ``context_fn`` (the backward itself runs outside autocast, as torch advises, and
+        is untouched). Hold it
+        for a whole fit (a plugin: from setup to teardown): registering is a table update per overload, cheap
+        once but not meant for every step. Kernels exist for the CPU and CUDA autocast keys; on other devices
+        the listed ops follow autocast's own lists."""
         return Fp32Activation(self.kernel_plan())
 
     def _fallback_mode(self) -> _Fp32OpMode | None:

@@ -33,3 +33,17 @@ def test_a_user_class_is_named_by_its_path_and_nothing_listed_says_so() -> None:
     assert f"| `{__name__}.MyBlock` | MyBlock | selected by the user |" in text
     assert "_None: every op follows autocast's own lists._" in text
     assert "_None: every parameter follows" in describe_policy({}, ())
+
+
+def test_every_default_op_says_where_it_becomes_fp32() -> None:
+    rows = {
+        line.split(" | ")[0].strip("| `"): line.split(" | ")[2]
+        for line in Fp32Policy().describe().splitlines()
+        if line.startswith("| `") and line.count("|") == 4 and "Why FP32" not in line
+    }
+    rows = {name: where for name, where in rows.items() if name in DEFAULT_FP32_OPS}
+    assert set(rows) == set(DEFAULT_FP32_OPS)
+    for name, where in rows.items():
+        assert where.startswith(("aten `", "pure-Python composite, FP32 through the listed `")), (name, where)
+    assert rows["layer_norm"].startswith("aten `layer_norm`, `native_layer_norm`")
+    assert "adaptive_avg_pool" in rows["interpolate"]  # what a name does not cover is said too
