@@ -200,6 +200,9 @@ class MixedPrecisionPlugin(PluginState, StepHooks, Precision):
             step_schedulers = [c.scheduler for c in lr_schedulers if getattr(c, "interval", "epoch") == "step"]
             self._handles.append(SchedulerGuard(step_schedulers, lambda: self._step.skipping))
         if self.format.is_16bit:
+            # the op policy's kernels at the autocast keys, for the whole fit: the backward and activation
+            # checkpointing's recomputation (which replays autocast state) follow it too
+            self._handles.append(self.policy.activate())
             self._handles.append(self.policy.install(model, self._device_type))
         if self.locate_overflows:
             # nothing on a clean step; a skip names the first non-finite gradient in backward order (parameter-free

@@ -200,7 +200,9 @@ def test_batchnorm_with_16_bit_parameters_and_other_norms_still_run_in_fp32():
     x = torch.randn(4, 8, 5, 5).bfloat16()
     all_bf16 = nn.BatchNorm2d(8).bfloat16()  # no FP32 weights to normalise with: upcast, FP32 result
     group = nn.GroupNorm(2, 8)
-    with policy.install(all_bf16, "cpu"), policy.install(group, "cpu"), policy.op_context():
+    with policy.install(all_bf16, "cpu"), policy.install(group, "cpu"), policy.op_context(), torch.autocast(
+        "cpu", dtype=torch.bfloat16
+    ):
         assert all_bf16(x).dtype == torch.float32
         assert group(x).dtype == torch.float32
         # the functional, called directly: FP32 statistics -> native; 16-bit ones -> upcast

@@ -230,7 +230,9 @@ def test_a_write_in_training_step_before_the_forward_keeps_every_update_and_reac
 # ---------------------------------------------------------------------------------------------- checkpointing
 def gpt2(seed=0):
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(config)
 
