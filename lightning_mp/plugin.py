@@ -218,6 +218,7 @@ class MixedPrecisionPlugin(PluginState, StepHooks, Precision):
             handle.remove()
         self._handles.clear()
         self._step.on_overflow = None
+        self._step.reset()  # a fit that failed mid-step leaves nothing for the next one
         if self._masters is not None:
             self._masters.remove()
             self._masters = None

@@ -106,6 +106,11 @@ class MixedPrecisionStep:
         self._found_inf = self._found_inf or found
         return found
 
+    def reset(self) -> None:
+        """Drop the training step in progress (a fit that failed between the unscale and the scale update): the
+        next step starts READY, and an overflow found before the failure does not skip it."""
+        self._found, self._found_inf = {}, False
+
     def forget(self, optimizer: Optimizer) -> None:
         """Let the next :meth:`unscale_` run again (optimizers that re-evaluate a closure inside ``step``)."""
         self._found.pop(id(optimizer), None)

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import DEFAULT_FP32_MODULES, MixedPrecisionPlugin
 from lightning_mp.fabric import MixedPrecisionPlugin as FabricPlugin
-from tests.conftest import trainer_kwargs
+from tests.conftest import TinyRegressor, trainer_kwargs
 
 # bf16 keeps 8 significant bits: a few SGD steps of a small MLP end within ~1e-3 of FP32; the bugs this file guards
 # against were 0.13-0.17 off
@@ -404,8 +404,8 @@ class FailsAfterUnscale(Callback):
 
 def test_an_exception_after_the_unscale_leaves_nothing_for_the_next_fit():
     plugin = MixedPrecisionPlugin("fp16", init_scale=2.0**4)
-    with pytest.raises(RuntimeError, match="boom after unscale"):
-        run(Mlp(), plugin, max_epochs=1, callbacks=[FailsAfterUnscale()])
+    with pytest.raises(RuntimeError, match="boom after unscale"):  # on a step whose gradients overflowed
+        run(TinyRegressor(fault_at={0}), plugin, max_epochs=1, callbacks=[FailsAfterUnscale()])
     run(Mlp(), plugin, max_steps=2)
     assert plugin.skipped_steps == 0 and plugin.optimizer_steps == 2
 
