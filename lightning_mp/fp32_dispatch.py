@@ -35,9 +35,10 @@ run in (a plugin compiles inside its fit).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -63,15 +64,68 @@ def _up(obj: Any) -> Any:
     return obj
 
 
-def _make_kernel(op: Callable[..., Any], rule: Rule) -> Callable[..., Any]:
-    """The kernel of one overload. The dispatcher passes the schema's positional arguments positionally (trailing
-    defaults dropped) and keyword-only ones by name (only when given)."""
+# Holds that switch the registered kernels on. Registering is the expensive part (a table update per overload), so
+# a front end without a fit to span (Fabric) registers once and switches the kernels on only around its forwards
+# and backwards; a registered kernel that is off does exactly what autocast does for that overload.
+_ON = [0]
+
+
+@contextlib.contextmanager
+def switched_on() -> Iterator[None]:
+    """Registered kernels compute in FP32 inside the block (process-wide; nests)."""
+    with _LOCK:
+        _ON[0] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _ON[0] -= 1
+
+
+def _autocast_off(op: Callable[..., Any], key: str, overload: str) -> Callable[..., Any]:
+    """What autocast does for ``overload`` at ``key`` without the policy: nothing (a fallthrough, the case of every
+    default op) or, for an op autocast runs in 16 bits (a user-listed ``matmul``), a cast of its floating
+    arguments to autocast's dtype, as its lower-precision kernels do."""
+    packet, _, name = overload.partition(".")
     exclude = torch._C._ExcludeDispatchKeyGuard
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{packet}" + (f".{name}" if name else ""), key):
+
+        def fallthrough(*args: Any, **kwargs: Any) -> Any:
+            with exclude(_NO_AUTOCAST):
+                return op(*args, **kwargs)
+
+        return fallthrough
+    device = "cuda" if key == "AutocastCUDA" else "cpu"
+
+    def lower(obj: Any, dtype: torch.dtype) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return obj.to(dtype) if obj.is_floating_point() and obj.dtype != torch.float64 else obj
+        if isinstance(obj, (list, tuple)) and any(isinstance(item, torch.Tensor) for item in obj):
+            return type(obj)(lower(item, dtype) for item in obj)
+        return obj
+
+    def lower_precision(*args: Any, **kwargs: Any) -> Any:
+        dtype = torch.get_autocast_dtype(device)
+        args = tuple(lower(arg, dtype) for arg in args)
+        with exclude(_NO_AUTOCAST):
+            return op(*args, **{k: lower(v, dtype) for k, v in kwargs.items()})
+
+    return lower_precision
+
+
+def _make_kernel(op: Callable[..., Any], rule: Rule, off: Callable[..., Any]) -> Callable[..., Any]:
+    """The kernel of one overload (``off``: what runs while no hold switches the kernels on). The dispatcher passes
+    the schema's positional arguments positionally (trailing defaults dropped) and keyword-only ones by name (only
+    when given)."""
+    exclude = torch._C._ExcludeDispatchKeyGuard
+    on = _ON
 
     if rule.kind == SET_DTYPE:
         index, kwarg_only = rule.dtype_index, rule.dtype_kwarg_only
 
         def set_dtype_kernel(*args: Any, **kwargs: Any) -> Any:
+            if not on[0]:
+                return off(*args, **kwargs)
             positional = not kwarg_only and len(args) > index
             given = args[index] if positional else kwargs.get("dtype")
             # an explicit dtype is the caller's precision; FP32/FP64 inputs need nothing
@@ -86,6 +140,8 @@ def _make_kernel(op: Callable[..., Any], rule: Rule) -> Callable[..., Any]:
         return set_dtype_kernel
 
     def upcast_kernel(*args: Any, **kwargs: Any) -> Any:
+        if not on[0]:
+            return off(*args, **kwargs)
         # batch norm with a 16-bit input and FP32 weight and statistics runs mixed-dtype natively: statistics in
         # FP32 inside the kernel, no FP32 copy of the activation for autograd to keep (see _native_mixed_batch_norm)
         if not (rule.kind == BATCH_NORM and _native_mixed_batch_norm(args[0], args[1:5])):
@@ -116,17 +172,23 @@ def _register(key: str, overload: str, rule: Rule) -> Any:
         # overriding a kernel of autocast's own (a user-listed "matmul", CUDA's refusal of binary_cross_entropy)
         # warns once per process; the override is the point, and remove() restores autocast's kernel
         warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
-        lib.impl(overload, _make_kernel(_op(overload), rule), key)
+        op = _op(overload)
+        off = _autocast_off(op, key, overload)  # asked before the registration replaces autocast's own kernel
+        lib.impl(overload, _make_kernel(op, rule, off), key)
     return lib
 
 
 class Fp32Activation:
     """A hold on an FP32 kernel plan, from :meth:`lightning_mp.Fp32Policy.activate`. ``remove()`` releases it
-    (idempotent); the kernels go when the last hold on them goes. Also a context manager."""
+    (idempotent); the kernels go when the last hold on them goes. Also a context manager. ``on=False`` registers
+    the kernels switched off: they compute in FP32 only inside :func:`switched_on`."""
 
-    def __init__(self, plan: frozenset[tuple[str, str, Rule]]) -> None:
+    def __init__(self, plan: frozenset[tuple[str, str, Rule]], on: bool = True) -> None:
         self._plan: frozenset[tuple[str, str, Rule]] | None = plan
+        self._on = on
         with _LOCK:
+            if on:
+                _ON[0] += 1
             count = _PLANS.get(plan, 0)
             _PLANS[plan] = count + 1
             if count:
@@ -143,6 +205,7 @@ class Fp32Activation:
             except BaseException:
                 del _PLANS[plan]
                 _drop(done)
+                _ON[0] -= on
                 raise
 
     @property
@@ -154,6 +217,7 @@ class Fp32Activation:
         if plan is None:
             return
         with _LOCK:
+            _ON[0] -= self._on
             count = _PLANS.pop(plan) - 1
             if count:
                 _PLANS[plan] = count

@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from lightning_mp.fp32_aten import OpReach, kernel_plan, reach_of
 from lightning_mp.fp32_describe import describe_policy
-from lightning_mp.fp32_dispatch import Fp32Activation
+from lightning_mp.fp32_dispatch import Fp32Activation, switched_on
 from lightning_mp.fp32_mode import _Fp32OpMode
 from lightning_mp.fp32_modules import Fp32ModuleHandle, _Fp32ForwardHooks
 from lightning_mp.fp32_ops import (
@@ -245,7 +245,7 @@ class Fp32Policy:
             self._plan = frozenset((key, overload, rule) for (key, overload), rule in plan.items())
         return self._plan
 
-    def activate(self) -> Fp32Activation:
+    def activate(self, on: bool = True) -> Fp32Activation:
         """Switch the listed ops to FP32 under ``torch.autocast``, process-wide, until ``.remove()``.
 
         Registers the policy's kernels at the autocast keys; the handle's ``remove()`` (or leaving it as a
@@ -257,8 +257,18 @@ class Fp32Policy:
         is untouched). Hold it
         for a whole fit (a plugin: from setup to teardown): registering is a table update per overload, cheap
         once but not meant for every step. Kernels exist for the CPU and CUDA autocast keys; on other devices
-        the listed ops follow autocast's own lists."""
-        return Fp32Activation(self.kernel_plan())
+        the listed ops follow autocast's own lists.
+
+        ``on=False`` registers the kernels switched off: they do what autocast does until :meth:`switched_on`
+        switches them on around a forward or backward (a front end with no fit to span, such as Fabric's, pays the
+        registration once and leaves other autocast users in the process untouched between its steps)."""
+        return Fp32Activation(self.kernel_plan(), on=on)
+
+    @staticmethod
+    def switched_on() -> contextlib.AbstractContextManager[None]:
+        """Registered policy kernels compute in FP32 inside the block (process-wide, nests; a counter, no
+        registration)."""
+        return switched_on()
 
     def _fallback_mode(self) -> _Fp32OpMode | None:
         if not self._table:
