@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import ast
 import math
+import pickle
 import re
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 
 from lightning_mp.demos import GPT, StdlibTextDataModule
+from lightning_mp.demos.gpt import RECIPE, lr_factor
+from lightning_mp.demos.seeds import SeedSpread, compare, seed_list
 
 SMALL = dict(block_size=32, batch_size=16, max_bytes=200_000, max_val_batches=4)
 TINY_GPT = dict(block_size=32, n_layer=1, n_head=2, n_embd=32)
@@ -285,3 +290,126 @@ def test_generate_appends_tokens():
     model = GPT(**TINY_GPT).eval()
     out = model.generate(torch.zeros(2, 40, dtype=torch.long), max_new_tokens=5, top_k=10)
     assert out.shape == (2, 45) and out.dtype == torch.long
+
+
+# ---------------------------------------------------------------- the learning-rate recipe
+
+
+@pytest.mark.parametrize(
+    "step, warmup, decay, expected",
+    [
+        (0, 0, None, 1.0),  # no warmup, no decay: a constant lr
+        (0, 4, None, 1 / 5),  # the first step already moves the weights (nanoGPT's (step + 1) / (warmup + 1))
+        (3, 4, None, 4 / 5),
+        (4, 4, None, 1.0),  # warmup done: the peak
+        (1000, 4, None, 1.0),
+        (4, 4, 14, 1.0),  # the cosine starts at the peak...
+        (9, 4, 14, 0.55),  # ...is halfway between peak and floor halfway...
+        (14, 4, 14, 0.1),  # ...reaches min_lr_ratio at decay_steps...
+        (50, 4, 14, 0.1),  # ...and stays there
+    ],
+)
+def test_lr_factor_warms_up_linearly_then_decays_by_a_cosine(step, warmup, decay, expected):
+    assert lr_factor(step, warmup, decay, min_lr_ratio=0.1) == pytest.approx(expected)
+
+
+def test_default_gpt_keeps_a_constant_lr_and_returns_a_bare_optimizer():
+    """Fabric's setup(model, model.configure_optimizers()) needs the optimizer itself."""
+    opt = GPT(**TINY_GPT).configure_optimizers()
+    assert isinstance(opt, torch.optim.AdamW) and opt.param_groups[0]["lr"] == 3e-4
+
+
+def test_warmup_and_cosine_give_a_per_step_scheduler_that_a_checkpoint_can_hold():
+    model = GPT(**TINY_GPT, lr=1e-3, warmup_steps=2, lr_schedule="cosine", decay_steps=6, min_lr_ratio=0.1)
+    config = model.configure_optimizers()
+    opt, sched = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    assert config["lr_scheduler"]["interval"] == "step"
+    lrs = []
+    for _ in range(8):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    expected = [1e-3 * lr_factor(s, 2, 6, 0.1) for s in range(8)]
+    assert lrs == pytest.approx(expected) and lrs[2] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(1e-4)
+    again = pickle.loads(pickle.dumps(sched))  # the lr function is a partial, not a lambda
+    assert again.lr_lambdas[0](3) == pytest.approx(lr_factor(3, 2, 6, 0.1))
+
+
+def test_cosine_decays_over_the_trainers_steps_in_a_fit():
+    L.seed_everything(0)
+    model = GPT(**TINY_GPT, lr=1e-3, warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1)
+    seen = []
+
+    class RecordLR(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    _trainer(max_steps=6, limit_val_batches=0, callbacks=[RecordLR()]).fit(model, StdlibTextDataModule(**SMALL))
+    # decay_steps=None: the cosine ends at trainer.estimated_stepping_batches, here max_steps
+    assert seen == pytest.approx([1e-3 * lr_factor(s, 2, 6, 0.1) for s in range(6)])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(warmup_steps=-1), r"warmup_steps=-1 is not allowed"),
+        (dict(lr_schedule="linear"), r"lr_schedule='linear' is not allowed: use one of 'constant', 'cosine'"),
+        (dict(min_lr_ratio=1.5), r"min_lr_ratio=1.5 is not allowed: use a number in \[0, 1\]"),
+        (dict(min_lr_ratio=-0.1), r"min_lr_ratio=-0.1 is not allowed"),
+        (dict(decay_steps=0), r"decay_steps=0 is not allowed"),
+        (dict(lr=0.0), r"lr=0.0 is not allowed"),
+    ],
+)
+def test_bad_schedule_arguments_name_themselves(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GPT(**TINY_GPT, **kwargs)
+
+
+def test_cosine_without_a_trainer_asks_for_decay_steps():
+    with pytest.raises(ValueError, match=r"decay_steps=None is not allowed without a Trainer.*HINT"):
+        GPT(**TINY_GPT, lr_schedule="cosine").configure_optimizers()
+
+
+def test_the_copyable_example_spells_out_the_same_recipe_as_the_harness():
+    """examples/train_gpt.py writes the recipe out (it is for copying); it must not drift from RECIPE."""
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py").read_text())
+    (defaults,) = [ast.literal_eval(node.args[0]) for node in ast.walk(tree)
+                   if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "set_defaults"]  # fmt: skip
+    assert {key[len("model."):]: v for key, v in defaults.items() if key.startswith("model.")} == RECIPE
+
+
+# ---------------------------------------------------------------- comparisons over seeds
+
+
+def test_seed_list_is_a_count_or_the_seeds_themselves():
+    assert seed_list([3]) == [0, 1, 2]
+    assert seed_list([0, 7, 9]) == [0, 7, 9]
+    for bad, match in (([0], "one number is a count"), ([1, 1], "distinct seeds"), ([2, -1], "distinct seeds")):
+        with pytest.raises(ValueError, match=match):
+            seed_list(bad)
+
+
+def test_seed_spread_mean_min_max_and_range_text():
+    spread = SeedSpread({0: 2.0, 1: 2.5, 2: 2.3})
+    assert (spread.n, spread.mean, spread.min, spread.max) == (3, pytest.approx(2.2667, abs=1e-4), 2.0, 2.5)
+    assert spread.range_text(".2f") == "[2.00, 2.50]"
+    assert SeedSpread().mean is None and SeedSpread().range_text(".2f") == "-"
+
+
+@pytest.mark.parametrize(
+    "ours, base, verdict, text",
+    [
+        # every bf16 seed above every fp32 seed: claimed
+        ({0: 2.5, 1: 2.6}, {0: 2.0, 1: 2.1}, "beyond", "val loss: bf16 - fp32 = +0.5000, beyond the seed spread"),
+        # the means differ by 0.3 but one fp32 seed spiked: the ranges overlap, nothing is claimed
+        ({0: 2.5, 1: 2.6}, {0: 2.0, 1: 2.8}, "within", "val loss: bf16 - fp32 = +0.1500, within seed spread"),
+        ({0: 2.5}, {0: 2.0}, "one seed", "one seed, no spread measured: no difference claimed"),
+        ({}, {0: 2.0}, "no result", "val loss: bf16 - fp32: no result"),
+    ],
+)
+def test_a_difference_is_claimed_only_beyond_the_seed_spread(ours, base, verdict, text):
+    result = compare("val loss", "bf16", SeedSpread(ours), "fp32", SeedSpread(base))
+    assert result.verdict == verdict
+    assert text in result.line(".4f")
+    if verdict in ("beyond", "within"):
+        assert "(seed 0: +0.5000, seed 1: " in result.line(".4f")  # the paired, per-seed differences

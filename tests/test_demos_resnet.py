@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -271,30 +272,58 @@ def _load_example():
 
 @pytest.mark.slow
 def test_example_table_with_tiny_runs(tmp_path):
-    """The real command: two rows, each in its own subprocess, then the Markdown and CSV tables."""
+    """The real command: two rows over two seeds, each run in its own subprocess, then the Markdown and CSV tables
+    with the mean and min-max over seeds, and the differences stated against the seed spread."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(EXAMPLES.parent), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, str(EXAMPLES / "train_resnet.py"), "--runs", "fp32", "fp16", "--max-steps", "2",
-           "--batch-size", "16", "--output", str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+           "--batch-size", "16", "--seeds", "2", "--output", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[1/4] seed 0, fp32 ..." in proc.stdout and "[3/4] seed 1, fp16: ok" in proc.stdout  # order alternates
+    with open(tmp_path / "runs.csv") as f:
+        runs = list(csv.DictReader(f))
+    assert [(r["seed"], r["precision"]) for r in runs] == [("0", "fp32"), ("0", "fp16"), ("1", "fp16"), ("1", "fp32")]
     with open(tmp_path / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["precision"] for r in rows] == ["fp32", "fp16"] and all(r["status"] == "ok" for r in rows)
     for r in rows:
-        assert 0 <= float(r["val_acc"]) <= 1 and float(r["wall_time_s"]) > 0
+        accs = [float(x["val_acc"]) for x in runs if x["precision"] == r["precision"]]
+        assert r["seeds_ok"] == "2/2" and float(r["val_acc"]) == pytest.approx(sum(accs) / 2)
+        assert (float(r["val_acc_min"]), float(r["val_acc_max"])) == (min(accs), max(accs))
+        assert 0 < float(r["val_loss_min"]) <= float(r["val_loss"]) <= float(r["val_loss_max"])
+        assert float(r["wall_time_s"]) > 0
         assert float(r["peak_rss_mib"]) > float(r["train_rss_mib"]) > 0 and float(r["peak_tensor_mib"]) > 0
         assert r["steps"] == "2" and r["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert rows[0]["time_ratio"] == rows[0]["mem_ratio"] == "1.0"
-    assert rows[1]["skipped_steps"] == "0" and float(rows[1]["loss_scale"]) == 2.0**16
+    assert rows[1]["skipped_steps"] == "0" and rows[1]["loss_scale"] == "65536"
     table = (tmp_path / "results.md").read_text()
-    assert table.startswith("| precision | val acc |") and "| fp16 |" in table
+    assert table.startswith("| precision | seeds ok | val acc mean | val acc min-max |") and "| fp16 | 2/2 |" in table
+    assert re.search(r"^- val acc: fp16 - fp32 = [+-]\d\.\d{4}, (within seed spread|beyond the seed spread)", table, re.M)
+    assert "| seed | precision | val acc |" in table  # the per-run table, with more than one seed
     assert f"CPU capability {torch.backends.cpu.get_cpu_capability()}" in table and table in proc.stdout + "\n"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(tmp_path / "tensorboard" / "fp16"))
-    events.Reload()
-    assert {"precision/loss_scale", "precision/skipped_steps", "train_loss"} <= set(events.Tags()["scalars"])
-    assert "precision/grad_log2_magnitude" in events.Tags()["histograms"]
+    for version in ("fp16", "fp16_seed1"):  # the first seed keeps the precision's name
+        events = EventAccumulator(str(tmp_path / "tensorboard" / version))
+        events.Reload()
+        assert {"precision/loss_scale", "precision/skipped_steps", "train_loss"} <= set(events.Tags()["scalars"])
+        assert "precision/grad_log2_magnitude" in events.Tags()["histograms"]
+
+
+def test_example_seeds_reach_the_model_and_the_batches(tmp_path):
+    """Another seed trains another run (initialisation, batch order); the same seed trains the same one again."""
+    example = _load_example()
+    runs = [example.train_one("fp32", max_steps=2, batch_size=16, log_dir=tmp_path, seed=seed, version=f"s{i}")
+            for i, seed in enumerate((0, 0, 1))]  # fmt: skip
+    assert [r["seed"] for r in runs] == [0, 0, 1]
+    assert runs[0]["val_loss"] == runs[1]["val_loss"] != runs[2]["val_loss"]
+
+
+@pytest.mark.parametrize("seeds, message", [(["0"], "one number is a count of seeds"), (["2", "2"], "distinct seeds")])
+def test_example_rejects_bad_seeds(capsys, seeds, message):
+    with pytest.raises(SystemExit):
+        _load_example().main(["--seeds", *seeds])
+    assert message in capsys.readouterr().err
 
 
 def test_example_lightning_reference_row_in_process(tmp_path):

@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -156,25 +157,108 @@ def test_precision_twice_is_refused(run_train_gpt, capsys):
 def test_compare_precisions_writes_one_row_per_run(tmp_path, capsys):
     compare = _load("compare_precisions")
     out = tmp_path / "cmp"
-    rc = compare.main(["--max-steps", "3", "--output", str(out), "--runs", "fp16", "native-16-mixed", "--", *TINY[2:]])
+    rc = compare.main(["--max-steps", "3", "--output", str(out), "--runs", "fp16", "native-16-mixed", "--seeds", "1",
+                       "--", *TINY[2:]])  # fmt: skip
     printed = capsys.readouterr().out
     assert rc == 0, printed
-    assert "[1/2] fp16: running" in printed and "[2/2] native-16-mixed: done" in printed
-    md_rows = [line for line in (out / "results.md").read_text().splitlines() if line.startswith("| ")][1:]
-    assert [row.split("|")[1].strip() for row in md_rows] == ["fp16", "native-16-mixed"]
+    assert "[1/2] seed 0, fp16: running" in printed and "[2/2] seed 0, native-16-mixed: done" in printed
+    report = (out / "results.md").read_text()
+    per_run = report[report.index("## Per run") :]
+    md_rows = [line for line in per_run.splitlines() if line.startswith("| ")][1:]
+    assert [row.split("|")[2].strip() for row in md_rows] == ["fp16", "native-16-mixed"]
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [r["precision"] for r in rows] == ["fp16", "native-16-mixed"]
+    assert [(r["seed"], r["precision"]) for r in rows] == [("0", "fp16"), ("0", "native-16-mixed")]
     assert all(float(r["val_loss"]) > 0 and float(r["tokens_per_s"]) > 0 and r["status"] == "ok" for r in rows)
     assert all(r["skipped_steps"] == "0" and float(r["loss_scale"]) == 2.0**16 for r in rows)
-    assert (out / "tensorboard" / "fp16").is_dir() and (out / "tensorboard" / "native-16-mixed").is_dir()
+    assert all((out / "tensorboard" / "seed0" / name).is_dir() for name in ("fp16", "native-16-mixed"))
+    # fp32 did not run, so the first run is the baseline; one seed measures no spread and claims nothing
+    assert "## Differences against fp16" in report
+    assert "val loss: native-16-mixed - fp16 = " in report and "one seed, no spread measured" in report
 
 
-def test_compare_precisions_rejects_unknown_run(tmp_path, capsys):
+def test_compare_precisions_over_seeds_reports_mean_spread_and_progress(tmp_path, capsys):
+    """Two seeds: the seed reaches the model and the batches, the table gives mean and min-max per precision."""
+    compare = _load("compare_precisions")
+    out = tmp_path / "cmp"
+    rc = compare.main(["--max-steps", "3", "--output", str(out), "--runs", "fp32", "bf16", "--seeds", "3", "5",
+                       "--", *TINY[2:]])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    # seeds outer, every other seed in reverse order, with an estimate of the time left
+    order = re.findall(r"\[\d/4\] seed (\d), (\w+): running", printed)
+    assert order == [("3", "fp32"), ("3", "bf16"), ("5", "bf16"), ("5", "fp32")]
+    assert "[1/4] seed 3, fp32: done in" in printed and "left" in printed
+    with open(out / "results.csv") as f:
+        runs = list(csv.DictReader(f))
+    fp32 = {int(r["seed"]): float(r["val_loss"]) for r in runs if r["precision"] == "fp32"}
+    assert set(fp32) == {3, 5} and fp32[3] != fp32[5]  # a different seed trains a different run
+    with open(out / "summary.csv") as f:
+        summary = {r["precision"]: r for r in csv.DictReader(f)}
+    assert list(summary) == ["fp32", "bf16"] and summary["fp32"]["ok"] == "2"
+    row = summary["fp32"]
+    assert float(row["val_loss_mean"]) == pytest.approx(sum(fp32.values()) / 2)
+    assert (float(row["val_loss_min"]), float(row["val_loss_max"])) == (min(fp32.values()), max(fp32.values()))
+    report = (out / "results.md").read_text()
+    assert "| precision | seeds ok | val loss mean | val loss min-max |" in report
+    assert f"[{min(fp32.values()):.4f}, {max(fp32.values()):.4f}]" in report
+    (line,) = [x for x in report.splitlines() if x.startswith("- val loss: bf16 - fp32 = ")]
+    assert ("within seed spread" in line or "beyond the seed spread" in line) and "seed 3: " in line
+    assert report in printed
+    for seed in (3, 5):
+        assert json.loads((out / "summaries" / f"seed{seed}" / "bf16.json").read_text())["steps"] == 3
+
+
+def test_compare_precisions_tables_from_summaries(tmp_path):
+    """The tables alone, from made-up summaries: a failed run, a difference beyond the spread, one within it."""
+    compare = _load("compare_precisions")
+
+    def summary(val_loss, val_acc, tokens_per_s=100.0):
+        return {"train_loss": val_loss + 0.1, "val_loss": val_loss, "val_ppl": 9.0, "val_acc": val_acc,
+                "wall_time_s": 1.0, "tokens_per_s": tokens_per_s, "peak_memory_bytes": 2**30,
+                "peak_memory_kind": "process_peak_rss", "skipped_steps": 0, "loss_scale": 1.0, "device": "cpu"}  # fmt: skip
+
+    results = [(0, "fp32", summary(2.0, 0.50), "ok"), (0, "bf16", summary(2.5, 0.49, 200.0), "ok"),
+               (1, "bf16", summary(2.6, 0.52, 220.0), "ok"), (1, "fp32", summary(2.1, 0.51), "ok"),
+               (2, "fp32", None, "failed (exit 1)"), (2, "bf16", summary(2.55, 0.53, 210.0), "ok")]  # fmt: skip
+    rows = compare.run_rows(results)
+    stats = compare.seed_stats(rows, ["fp32", "bf16"])
+    table = compare.summary_markdown(stats, "fp32")
+    assert "| fp32 | 2/3 | 2.0500 | [2.0000, 2.1000] |" in table
+    assert "| bf16 | 3/3 | 2.5500 | [2.5000, 2.6000] |" in table and "| 210 | 2.10 |" in table
+    lines = compare.difference_lines(stats, "fp32")
+    assert lines[0].startswith("- val loss: bf16 - fp32 = +0.5000, beyond the seed spread")
+    assert lines[1].startswith("- val acc: bf16 - fp32 = +0.0083, within seed spread: no difference claimed")
+    assert "| 2 | fp32 | FAILED (EXIT 1) |" in compare.run_markdown(rows)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--runs", "fp8"], "--runs: 'fp8' not known"),
+        (["--seeds", "0"], "--seeds=0 is not allowed: one number is a count of seeds"),
+        (["--seeds", "1", "1"], "use distinct seeds"),
+        (["--", "--seed_everything", "3"], "--seed_everything after '--' would give every seed the same value"),
+    ],
+)
+def test_compare_precisions_rejects_bad_arguments(tmp_path, capsys, args, message):
     compare = _load("compare_precisions")
     with pytest.raises(SystemExit):
-        compare.main(["--output", str(tmp_path), "--runs", "fp8"])
-    assert "--runs: 'fp8' not known" in capsys.readouterr().err
+        compare.main(["--output", str(tmp_path), "--runs", "fp32", *args])
+    assert message in capsys.readouterr().err
+
+
+def test_gpt_run_trains_with_the_warmup_recipe(train_gpt, monkeypatch, tmp_path):
+    """The harness's defaults are the recipe: the lr ramps up from RECIPE's warmup, per step."""
+    from lightning_mp.demos.gpt import RECIPE, lr_factor
+
+    assert {k[len("model."):]: v for k, v in train_gpt.MODEL_DEFAULTS.items() if k.startswith("model.")} == RECIPE
+    monkeypatch.setattr(sys, "argv", ["gpt_run.py"])
+    cli = train_gpt.TrainGPTCLI([*TINY, "--precision", "fp32", "--log_dir", str(tmp_path)])
+    assert cli.model.hparams.warmup_steps == RECIPE["warmup_steps"] and cli.model.hparams.lr_schedule == "cosine"
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    lr = cli.trainer.optimizers[0].param_groups[0]["lr"]
+    assert lr == pytest.approx(RECIPE["lr"] * lr_factor(3, RECIPE["warmup_steps"], 3, RECIPE["min_lr_ratio"]))
 
 
 # ---------------------------------------------------------------------------------------------- the copyable example

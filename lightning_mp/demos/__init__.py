@@ -14,15 +14,19 @@ The text is deterministic for a given Python install (files sorted, then concate
 the same across Python versions or distributions: a different stdlib gives different bytes. Compare
 losses between runs on the same interpreter.
 
-Typical use::
+Typical use, with the recipe the benchmarks train with (a warmup, then a cosine decay: :data:`gpt.RECIPE`)::
 
     import lightning as L
     from lightning_mp.demos import GPT, StdlibTextDataModule
+    from lightning_mp.demos.gpt import RECIPE
 
     L.seed_everything(0)
-    dm = StdlibTextDataModule(block_size=128, batch_size=16)
-    model = GPT(vocab_size=dm.vocab_size, block_size=128)
-    L.Trainer(max_steps=200, precision="bf16-mixed").fit(model, dm)
+    dm = StdlibTextDataModule(block_size=128, batch_size=16, seed=0)
+    model = GPT(vocab_size=dm.vocab_size, block_size=128, **RECIPE)
+    L.Trainer(max_steps=800, gradient_clip_val=1.0, precision="bf16-mixed").fit(model, dm)
+
+To compare precisions, train each on several seeds and claim a difference only beyond the seed spread
+(:mod:`lightning_mp.demos.seeds`, used by ``benchmarks/compare_precisions.py`` and ``examples/train_resnet.py``).
 """
 
 from lightning_mp.demos.digits import DigitsDataModule
