@@ -30,10 +30,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_mp import GradientRangeMonitor, LossScaleMonitor, MixedPrecisionPlugin
-from lightning_mp.activation_range_monitor import ActivationRangeMonitor
+from lightning_mp.monitors.activation_range import ActivationRangeMonitor
 from lightning_mp.demos import GPT, DigitsDataModule, ResNet, StdlibTextDataModule
-from lightning_mp.fp32_policy import NORM_MODULES, RECURRENT_MODULES
-from lightning_mp.gemm_emulation import cpu_capability, gemm_support
+from lightning_mp.policy.policy import NORM_MODULES, RECURRENT_MODULES
+from lightning_mp.gemm.emulation import cpu_capability, gemm_support
 
 
 class StepTimer(Callback):

@@ -17,7 +17,7 @@ from lightning.fabric.plugins.precision import MixedPrecision
 
 from lightning_mp.demos import GPT, StdlibTextDataModule
 from lightning_mp.fabric import MixedPrecisionPlugin
-from lightning_mp.gemm_emulation import cpu_capability
+from lightning_mp.gemm.emulation import cpu_capability
 
 ROWS = {
     "fp32 (Fabric 32-true)": lambda: None,

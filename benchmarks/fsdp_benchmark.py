@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.demos import GPT
-from lightning_mp.sharding import fsdp_mp_policy
+from lightning_mp.numerics.sharding import fsdp_mp_policy
 
 VARIANTS = ("FSDP2 fp32", "FSDP2 bf16 policy, no plugin", "lightning_mp bf16", "lightning_mp fp16")
 

@@ -244,7 +244,7 @@ def main(argv=None) -> None:
     for message in (".*`validation_step` but have no `val_dataloader`.*", ".*LeafSpec.*"):
         warnings.filterwarnings("ignore", message=message)  # once per fit, about Lightning, not the models
 
-    from lightning_mp.gemm_support import gemm_support
+    from lightning_mp.gemm.support import gemm_support
 
     print(f"torch {torch.__version__}, lightning {L.__version__}, "
           f"transformers {transformers.__version__ if transformers else 'not installed'}; "

@@ -112,7 +112,7 @@ def data():
 @pytest.fixture
 def fresh_gemm_detection(monkeypatch):
     """Forget the per-process 16-bit GEMM verdicts and warnings before and after a test that mocks or probes them."""
-    import lightning_mp.gemm_support as gs
+    import lightning_mp.gemm.support as gs
 
     gs.gemm_support.cache_clear()
     monkeypatch.setattr(gs, "_warned", set())

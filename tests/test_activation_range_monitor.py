@@ -10,9 +10,9 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_mp import MixedPrecisionPlugin
-from lightning_mp.activation_range_monitor import ActivationRangeMonitor
-from lightning_mp.gradient_range_monitor import NUM_BUCKETS, gradient_range
-from lightning_mp.ranges_plot import FormatBand, format_bands, plotting_available, render_ranges_vs_formats
+from lightning_mp.monitors.activation_range import ActivationRangeMonitor
+from lightning_mp.monitors.gradient_range import NUM_BUCKETS, gradient_range
+from lightning_mp.doctor.ranges_plot import FormatBand, format_bands, plotting_available, render_ranges_vs_formats
 from tests.conftest import TinyRegressor, regression_data, trainer_kwargs
 from tests.test_loss_scale_monitor import RecordingLogger
 from tests.test_overflow_locator import Scale

@@ -10,7 +10,7 @@ from PIL import Image
 from torch import nn
 
 from lightning_mp import GradientRangeMonitor, LossScaleMonitor, MixedPrecisionPlugin, ranges_plot
-from lightning_mp.activation_range_monitor import ActivationRangeMonitor
+from lightning_mp.monitors.activation_range import ActivationRangeMonitor
 from tests.conftest import regression_data, trainer_kwargs
 from tests.test_activation_range_monitor import needs_matplotlib
 from tests.test_callbacks_integration import events, left_edges, scalars

@@ -5,16 +5,16 @@ import math
 import torch
 from torch import nn
 
-from lightning_mp.activation_ranges import _ActivationRecorder, _encloses, _overflow_starts, _Sample, _SampleValues
-from lightning_mp.log2_histogram import LOG2_LOW, gradient_range
+from lightning_mp.doctor.activation_ranges import ActivationRecorder, _encloses, overflow_starts, Sample, _SampleValues
+from lightning_mp.doctor.log2_histogram import LOG2_LOW, gradient_range
 from tests.test_overflow_locator import Scale
 
 X = torch.full((2, 4), 0.5)
 
 
 def record(model, x=X, sample=None):
-    sample = sample if sample is not None else _Sample(step=0)
-    recorder = _ActivationRecorder(model, sample)
+    sample = sample if sample is not None else Sample(step=0)
+    recorder = ActivationRecorder(model, sample)
     model(x)  # a training forward: autograd on
     recorder.remove()
     return sample
@@ -44,8 +44,8 @@ def test_a_shared_module_keeps_its_largest_output():
 
 def test_forwards_without_autograd_record_nothing_and_remove_takes_the_hooks_off():
     model = nn.Sequential(Scale(2.0))
-    sample = _Sample(step=0)
-    recorder = _ActivationRecorder(model, sample)
+    sample = Sample(step=0)
+    recorder = ActivationRecorder(model, sample)
     with torch.no_grad():
         model(X)
     assert sample.packed is None and not sample.modules
@@ -54,7 +54,7 @@ def test_forwards_without_autograd_record_nothing_and_remove_takes_the_hooks_off
 
 
 def test_gradients_for_the_picture_are_counted_at_scale_one():
-    sample = _Sample(step=0)
+    sample = Sample(step=0)
     sample.add_grads([torch.full((3,), 2.0**-30)])
     sample.add_grads([torch.full((2,), 2.0**-30)])
     record(nn.Sequential(Scale(1.0)), sample=sample)
@@ -64,14 +64,14 @@ def test_gradients_for_the_picture_are_counted_at_scale_one():
 
 def test_an_overflow_starts_where_the_output_left_fp16_from_inputs_within_it():
     model = nn.Sequential(nn.Sequential(Scale(1e6), Scale(2.0)), Scale(1.0))
-    assert _overflow_starts(record(model).read()) == ["0.0"]  # not the modules downstream, not the containers
+    assert overflow_starts(record(model).read()) == ["0.0"]  # not the modules downstream, not the containers
 
 
 def test_a_module_without_a_floating_input_can_start_one():
     values = _SampleValues(gradient_range([], 1.0), ["emb", "<model>"], [1e5, 1e5], [0.0, 0.0], [False, False], None)
-    assert _overflow_starts(values) == ["emb"]
+    assert overflow_starts(values) == ["emb"]
     inf_in = _SampleValues(gradient_range([], 1.0), ["a"], [math.inf], [math.inf], [True], None)
-    assert _overflow_starts(inf_in) == []  # inherited: its input was already out of range
+    assert overflow_starts(inf_in) == []  # inherited: its input was already out of range
 
 
 def test_encloses():

@@ -223,8 +223,8 @@ def test_gradient_range_monitor_needs_a_logger_and_the_plugin():
 
 def test_non_sampled_steps_do_no_work(monkeypatch):
     calls = []
-    real = grm._measure_on_device
-    monkeypatch.setattr(grm, "_measure_on_device", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = grm.measure_on_device
+    monkeypatch.setattr(grm, "measure_on_device", lambda *a, **k: calls.append(1) or real(*a, **k))
     logger = RecordingLogger()
     fit(TinyRegressor(), MixedPrecisionPlugin("bf16"), [GradientRangeMonitor(every_n_steps=4)], logger, max_steps=10)
     assert len(calls) == 2  # steps 3 and 7

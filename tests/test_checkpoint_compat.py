@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from lightning_mp.checkpoint_compat import gradscaler_state, is_gradscaler_state, take_gradscaler_state
-from lightning_mp.loss_scaler import LossScaler
+from lightning_mp.numerics.checkpoint_compat import gradscaler_state, is_gradscaler_state, take_gradscaler_state
+from lightning_mp.numerics.loss_scaler import LossScaler
 
 
 def _gradscaler_state(scale: float = 512.0, growth: int = 7) -> dict:

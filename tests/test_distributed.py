@@ -2,7 +2,7 @@
 
 import torch
 
-from lightning_mp.distributed import contiguous_runs as _runs
+from lightning_mp.numerics.distributed import contiguous_runs as _runs
 
 
 def test_gradients_that_tile_one_buffer_form_one_in_place_run():

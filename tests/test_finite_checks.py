@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lightning_mp.finite_checks import (
+from lightning_mp.doctor.finite_checks import (
     _amax,
     _bare,
     _cpu_non_finite,
@@ -15,7 +15,7 @@ from lightning_mp.finite_checks import (
     _tensors,
     _to_host,
 )
-from lightning_mp.fp32_policy import Fp32Policy
+from lightning_mp.policy.policy import Fp32Policy
 
 
 @pytest.mark.parametrize(

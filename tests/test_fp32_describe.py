@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from lightning_mp.fp32_describe import describe_policy
-from lightning_mp.fp32_policy import DEFAULT_FP32_MODULES, DEFAULT_FP32_OPS, Fp32Policy
+from lightning_mp.policy.describe import describe_policy
+from lightning_mp.policy.policy import DEFAULT_FP32_MODULES, DEFAULT_FP32_OPS, Fp32Policy
 
 
 def test_describe_mentions_every_default() -> None:

@@ -1,4 +1,4 @@
-"""The FP32 op policy at the autocast dispatch keys (lightning_mp.fp32_dispatch, fp32_aten): no Trainer, CPU only.
+"""The FP32 op policy at the autocast dispatch keys (lightning_mp.policy.dispatch, fp32_aten): no Trainer, CPU only.
 
 The CUDA kernels are exercised on the CPU by redispatching to the AutocastCUDA key: torch's CPU build registers
 CUDA autocast's kernels too, so the same dispatcher table a GPU would use is reached.
@@ -6,6 +6,7 @@ CUDA autocast's kernels too, so the same dispatcher table a GPU would use is rea
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -15,13 +16,20 @@ import torch.nn.functional as F
 from torch._C import DispatchKey, DispatchKeySet
 from torch.utils.checkpoint import checkpoint
 
-from lightning_mp.fp32_dispatch import active_kernels
-from lightning_mp.fp32_policy import DEFAULT_FP32_MODULES, DEFAULT_FP32_OPS, Fp32Policy
+from lightning_mp.policy.dispatch import active_kernels
+from lightning_mp.policy.policy import DEFAULT_FP32_MODULES, DEFAULT_FP32_OPS, Fp32Policy
 
 LOW = [torch.bfloat16, torch.float16]
 # the keys a CPU tensor would have on a GPU: AutocastCUDA on top, then the CPU kernels below it
 CUDA_AUTOCAST_ON_CPU = DispatchKeySet(DispatchKey.AutocastCUDA) | DispatchKeySet(DispatchKey.CPU)
 
+
+
+@pytest.fixture(autouse=True)
+def _collect_released_plugins():
+    # a Fabric plugin keeps its kernels registered (switched off) until it is garbage-collected; these tests
+    # check the process-wide registrations, so the plugins earlier tests dropped are collected first
+    gc.collect()
 
 def _has_kernel(overload: str, key: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{overload}", key)

@@ -1,4 +1,4 @@
-"""Unit tests for lightning_mp.fp32_policy (no Trainer; CPU only; a few seconds)."""
+"""Unit tests for lightning_mp.policy.policy (no Trainer; CPU only; a few seconds)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lightning_mp import fp32_policy
-from lightning_mp.fp32_dispatch import active_kernels
-from lightning_mp.fp32_policy import (
+from lightning_mp.policy.dispatch import active_kernels
+from lightning_mp.policy.policy import (
     DEFAULT_FP32_MODULES,
     DEFAULT_FP32_OPS,
     NORM_MODULES,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_mp import MixedPrecisionPlugin
-from lightning_mp.sharding import is_sharded
+from lightning_mp.numerics.sharding import is_sharded
 from tests.test_ddp import exit_abort_after_results
 
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")

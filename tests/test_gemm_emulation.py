@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import lightning_mp.gemm_emulation as ge
-import lightning_mp.gemm_support as gs
-from lightning_mp.gemm_emulation import EmulatedGemmMode, GemmEmulation
+import lightning_mp.gemm.emulation as ge
+import lightning_mp.gemm.support as gs
+from lightning_mp.gemm.emulation import EmulatedGemmMode, GemmEmulation
 from tests.conftest import cuda
 from tests.test_gemm_support import mock_cpu
 

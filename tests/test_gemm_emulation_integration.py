@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_mp.gemm_emulation as ge
-import lightning_mp.gemm_support as gs
+import lightning_mp.gemm.emulation as ge
+import lightning_mp.gemm.support as gs
 from lightning_mp import MixedPrecisionPlugin
 from tests.conftest import cuda, trainer_kwargs
 

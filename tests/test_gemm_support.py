@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-import lightning_mp.gemm_support as gs
-from lightning_mp.gemm_support import gemm_support
+import lightning_mp.gemm.support as gs
+from lightning_mp.gemm.support import gemm_support
 
 HALF = (torch.bfloat16, torch.float16)
 

@@ -7,7 +7,7 @@ import torch
 
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp import log2_histogram as lh
-from lightning_mp.log2_histogram import LOG2_LOW, NUM_BUCKETS, gradient_range, histogram_kwargs
+from lightning_mp.doctor.log2_histogram import LOG2_LOW, NUM_BUCKETS, gradient_range, histogram_kwargs
 from tests.conftest import cuda
 
 FP32 = torch.finfo(torch.float32)
@@ -174,8 +174,8 @@ def test_measuring_on_cuda_queues_everything_without_a_host_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        packed = lh._measure_on_device(grads, 2.0**16, per_tensor=True)
+        packed = lh.measure_on_device(grads, 2.0**16, per_tensor=True)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    r = lh._unpack(packed.tolist(), 100_007, 2)
+    r = lh.unpack(packed.tolist(), 100_007, 2)
     assert r.overflow == 7 and sum(r.counts[0]) == 100_000

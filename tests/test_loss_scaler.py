@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lightning_mp.loss_scaler import LossScaler
+from lightning_mp.numerics.loss_scaler import LossScaler
 
 
 def run(scaler, pattern):

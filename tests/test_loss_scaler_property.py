@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_mp.loss_scaler import LossScaler
+from lightning_mp.numerics.loss_scaler import LossScaler
 
 
 def reference(steps, init, growth, backoff, interval, hysteresis, max_scale):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_mp.master_weights import MasterWeights
+from lightning_mp.numerics.master_weights import MasterWeights
 
 BF16 = torch.bfloat16
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_mp import overflow_locator as ol
-from lightning_mp.overflow_locator import OverflowLocator, OverflowReport
+from lightning_mp.doctor.locator import OverflowLocator, OverflowReport
 from tests.conftest import cuda
 
 

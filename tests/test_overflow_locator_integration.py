@@ -29,7 +29,7 @@ def test_a_forward_overflow_stops_the_run_naming_the_module_in_the_error_the_log
     # a clean step checks nothing: the first skip names the first non-finite gradient and arms the forward checks,
     # which name the module from the second skip on
     plugin = MixedPrecisionPlugin("fp16", init_scale=2.0, min_scale=1.0)
-    with caplog.at_level(logging.WARNING, logger="lightning_mp.plugin"):
+    with caplog.at_level(logging.WARNING, logger="lightning_mp.lightning.plugin"):
         with pytest.raises(FloatingPointError) as err:
             fit(Middle(Scale(1e6)), plugin)
     message = str(err.value)
@@ -65,14 +65,14 @@ def test_a_weight_gradient_that_overflows_names_its_own_module():
 
 def test_a_clean_run_has_no_overflow_to_report(caplog):
     plugin = MixedPrecisionPlugin("fp16", init_scale=2.0**8)
-    with caplog.at_level(logging.WARNING, logger="lightning_mp.plugin"):
+    with caplog.at_level(logging.WARNING, logger="lightning_mp.lightning.plugin"):
         fit(Middle(Scale(2.0)), plugin)
     assert plugin.skipped_steps == 0 and plugin.last_overflow is None and not caplog.records
 
 
 def test_a_nan_loss_in_bf16_is_skipped_and_logged_without_a_module_to_blame(caplog):
     plugin = MixedPrecisionPlugin("bf16")
-    with caplog.at_level(logging.WARNING, logger="lightning_mp.plugin"):
+    with caplog.at_level(logging.WARNING, logger="lightning_mp.lightning.plugin"):
         fit(TinyRegressor(fault_at={1}, fault=float("nan")), plugin)
     assert plugin.skipped_steps == 1
     # the NaN came from the loss, after every module: the backward names the last layer it reached first
@@ -107,16 +107,16 @@ def test_lbfgs_steps_reset_the_locator_every_step():
     plugin = MixedPrecisionPlugin("bf16")
     fit(TinyRegressor(optimizer="lbfgs"), plugin, max_steps=3)
     assert plugin.skipped_steps == 0 and plugin.last_overflow is None
-    assert not plugin._locator._records and not plugin._locator._found
+    assert not plugin.core.locator._records and not plugin.core.locator._found
 
 
 def test_bf16_arms_its_forward_checks_at_the_first_skip_and_names_the_module_from_the_next(caplog):
     """bf16 starts with gradient checks only (no read of every activation); a forward inf in bf16 is named by the
     gradient it reaches on the first skip, by its own module from the second skip on, and the run stops naming it."""
     plugin = MixedPrecisionPlugin("bf16", max_consecutive_skips=2)
-    with caplog.at_level(logging.WARNING, logger="lightning_mp.plugin"), pytest.raises(FloatingPointError) as err:
+    with caplog.at_level(logging.WARNING, logger="lightning_mp.lightning.plugin"), pytest.raises(FloatingPointError) as err:
         fit(Middle(Scale(float("inf"))), plugin, max_steps=4)
-    assert plugin.skipped_steps == 2 and plugin._locator.check_forward
+    assert plugin.skipped_steps == 2 and plugin.core.locator.check_forward
     first, second = (r.getMessage() for r in caplog.records)
     assert first.startswith("step 0 skipped (loss scale 1): backward overflow in `net.3` (Linear)")  # its inputs
     assert second.startswith("step 1 skipped (loss scale 1): forward overflow in `net.1` (Scale)")
@@ -128,4 +128,4 @@ def test_bf16_arms_its_forward_checks_at_the_first_skip_and_names_the_module_fro
 def test_bf16_clean_steps_read_no_activation():
     plugin = MixedPrecisionPlugin("bf16")
     fit(Middle(Scale(2.0)), plugin)
-    assert plugin.skipped_steps == 0 and not plugin._locator.check_forward and not plugin._locator._known
+    assert plugin.skipped_steps == 0 and not plugin.core.locator.check_forward and not plugin.core.locator._known

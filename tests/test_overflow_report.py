@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lightning_mp.overflow_report import OverflowReport, _first_report, _Found
+from lightning_mp.doctor.report import OverflowReport, _first_report, _Found
 
 NAMES, TYPES = ["", "block", "block.linear"], ["Net", "Block", "Linear"]
 INF, NAN = math.inf, math.nan

@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_mp import GradientRangeMonitor, LossScaleMonitor, MixedPrecisionPlugin
-from lightning_mp.log2_histogram import LOG2_LOW, NUM_BUCKETS, histogram_kwargs
+from lightning_mp.doctor.log2_histogram import LOG2_LOW, NUM_BUCKETS, histogram_kwargs
 from tests.conftest import TinyRegressor, regression_data, trainer_kwargs
 
 TOOL = Path(__file__).resolve().parents[1] / "docs" / "screenshots.py"

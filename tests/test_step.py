@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mp.grad_layout import GradLayout
-from lightning_mp.loss_scaler import LossScaler
-from lightning_mp.step import MixedPrecisionStep
+from lightning_mp.numerics.grad_layout import GradLayout
+from lightning_mp.numerics.loss_scaler import LossScaler
+from lightning_mp.numerics.step import MixedPrecisionStep
 from tests.conftest import cuda
 
 
@@ -78,7 +78,7 @@ def test_guard_off_and_no_scaling_costs_no_pass_and_no_host_sync():
     step = MixedPrecisionStep(LossScaler(None), check_finite=False)
     p, opt = sgd(grad=float("nan"))
     with mock.patch.object(torch.Tensor, "item", side_effect=AssertionError("host sync")), mock.patch(
-        "lightning_mp.grad_layout.non_finite_flag", side_effect=AssertionError("pass over the gradients")
+        "lightning_mp.numerics.grad_layout.non_finite_flag", side_effect=AssertionError("pass over the gradients")
     ):
         assert step.unscale_(opt) is False
         step.step(opt)
@@ -211,7 +211,7 @@ def test_the_layout_is_kept_across_steps_and_rebuilt_only_when_gradients_or_grou
     step = MixedPrecisionStep(LossScaler(None))
 
     def builds():
-        with mock.patch("lightning_mp.step.GradLayout", wraps=GradLayout) as built:
+        with mock.patch("lightning_mp.numerics.step.GradLayout", wraps=GradLayout) as built:
             step.unscale_(opt)
             step.end_training_step()
         return built.call_count

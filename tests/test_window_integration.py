@@ -3,8 +3,6 @@ Fabric, against Lightning's own ``bf16-mixed`` or FP32 on the same code."""
 
 import copy
 import os
-import subprocess
-import sys
 
 import lightning as L
 import pytest

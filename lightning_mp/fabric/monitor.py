@@ -1,7 +1,7 @@
 """The Trainer monitors' ``precision/...`` tags from a Fabric loop, logged at every ``optimizer.step()``.
 
 The loss scale and the skip count are Python numbers the plugin holds on the host: logging them costs no device
-work and no sync. The gradient range is counted by :mod:`lightning_mp.log2_histogram` (as in the Trainer's monitor) on
+work and no sync. The gradient range is counted by :mod:`lightning_mp.doctor.log2_histogram` (as in the Trainer's monitor) on
 the sampled steps only, queued on the device before the step and read back after it (one host sync per sampled step).
 """
 
@@ -13,9 +13,9 @@ from typing import Any
 from torch.optim import Optimizer
 
 from lightning_mp.fabric.plugin import MixedPrecisionPlugin
-from lightning_mp.gradient_range_monitor import _TAG_HISTOGRAM
-from lightning_mp.log2_histogram import _measure_on_device, _Pending, _unpack, histogram_kwargs, reference_scale
-from lightning_mp.monitor_base import histogram_writers, no_histogram_message
+from lightning_mp.monitors.gradient_range import TAG_HISTOGRAM
+from lightning_mp.doctor.log2_histogram import measure_on_device, Pending, unpack, histogram_kwargs, reference_scale
+from lightning_mp.monitors.base import histogram_writers, no_histogram_message
 
 
 class PrecisionMonitor:
@@ -95,7 +95,7 @@ class PrecisionMonitor:
         self.per_param = per_param
         self._fabric = fabric
         self._plugin = plugin
-        self._pending: _Pending | None = None
+        self._pending: Pending | None = None
         self._warned = False
         plugin._listeners.append(self)
 
@@ -114,8 +114,8 @@ class PrecisionMonitor:
         if not named:
             return
         grads = [g for _, g in named]
-        packed = _measure_on_device(grads, reference_scale(self._plugin), self.per_param)
-        self._pending = _Pending([n for n, _ in named], sum(g.numel() for g in grads), packed)
+        packed = measure_on_device(grads, reference_scale(self._plugin), self.per_param)
+        self._pending = Pending([n for n, _ in named], sum(g.numel() for g in grads), packed)
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         plugin = self._plugin
@@ -128,13 +128,13 @@ class PrecisionMonitor:
         histograms: dict[str, list[int]] = {}
         if pending is not None:
             rows = len(pending.names) if self.per_param else 1
-            r = _unpack(pending.packed.tolist(), pending.numel, rows)  # the one host sync of a sampled step
+            r = unpack(pending.packed.tolist(), pending.numel, rows)  # the one host sync of a sampled step
             metrics["precision/grad_underflow_fraction"] = r.underflow_fraction
             metrics["precision/grad_overflow_fraction"] = r.overflow_fraction
             metrics["precision/grad_zero_fraction"] = r.zero_fraction
-            histograms[_TAG_HISTOGRAM] = r.histogram
+            histograms[TAG_HISTOGRAM] = r.histogram
             if self.per_param:
-                histograms.update((f"{_TAG_HISTOGRAM}/{n}", row) for n, row in zip(pending.names, r.counts))
+                histograms.update((f"{TAG_HISTOGRAM}/{n}", row) for n, row in zip(pending.names, r.counts))
         if metrics:
             self._fabric.log_dict(metrics, step=step)
         if histograms:
@@ -144,7 +144,7 @@ class PrecisionMonitor:
         writers = histogram_writers(self._fabric.loggers)
         if not writers and not self._warned:
             self._warned = True
-            message = no_histogram_message("PrecisionMonitor", f"the `{_TAG_HISTOGRAM}` histograms",
+            message = no_histogram_message("PrecisionMonitor", f"the `{TAG_HISTOGRAM}` histograms",
                                            "`add_histogram_raw`", "the fraction scalars", self._fabric.loggers)
             warnings.warn(message, stacklevel=3)
         for writer in writers:

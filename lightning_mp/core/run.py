@@ -1,0 +1,291 @@
+"""One run's numerics, as one object that both front ends (the Trainer plugin and the Fabric plugin) hold.
+
+Where each piece runs in a training step (the front ends only map their framework's hooks onto these calls)::
+
+    begin(force)          the next forward refreshes the 16-bit copies             (MasterWeights.begin)
+    forward_context()     autocast to the 16-bit format + GEMM emulation; each module's forward reads its copies;
+                          the FP32 op policy's kernels are active for the whole fit (connect -> teardown)
+    scale_loss(loss)      loss * scale                                              (LossScaler.scale_loss)
+    backward_context()    the backward's GEMMs emulated as the forward's
+    fold()                the copies' 16-bit gradients into the Parameters' FP32 .grad (MasterWeights.fold_grads)
+    unscale_(optimizer)   unscale + inf/NaN check, one host sync; on a skip the locator names the culprit
+    step(optimizer)       skip, or step on the FP32 Parameters; their copies go stale (MixedPrecisionStep.step)
+    end_training_step()   the scale moves once; a skipped step is logged with where it went non-finite
+
+Nothing here imports Lightning's Trainer or Fabric: the front ends pass what their framework knows (the model,
+the optimizers, the schedulers, the global step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import LBFGS, Optimizer
+
+from lightning_mp.doctor.locator import OverflowLocator
+from lightning_mp.doctor.report import OverflowReport
+from lightning_mp.formats import Format, check_device_supports, resolve_precision
+from lightning_mp.gemm.emulation import GemmEmulation
+from lightning_mp.numerics.distributed import average_across_ranks_, world_size
+from lightning_mp.numerics.loss_scaler import LossScaler, ScalerSettings
+from lightning_mp.numerics.master_weights import MasterWeights
+from lightning_mp.numerics.scheduler_guard import SchedulerGuard
+from lightning_mp.numerics.sharding import is_sharded
+from lightning_mp.numerics.step import MixedPrecisionStep
+from lightning_mp.policy.policy import Fp32Policy
+from lightning_mp.validation import check_bool
+
+log = logging.getLogger("lightning_mp.plugin")  # the name users filter on for the skip lines
+
+
+class MixedPrecisionCore:
+    """The numerics of one run: format, loss scaler, step, master weights, FP32 policy, GEMM choice, locator.
+
+    The arguments are :class:`lightning_mp.MixedPrecisionPlugin`'s (documented there); ``scaler`` holds the dynamic
+    scaler's knobs."""
+
+    def __init__(
+        self,
+        precision: str,
+        *,
+        master_weights: bool | None,
+        loss_scale: str | float | None,
+        fp32_ops: Iterable[Any],
+        fp32_modules: Sequence[type[nn.Module]],
+        skip_scheduler_on_overflow: bool,
+        check_finite: bool,
+        locate_overflows: bool,
+        gemm: str,
+        scaler: ScalerSettings,
+    ) -> None:
+        self.format: Format = resolve_precision(precision)
+        if master_weights is not None and not isinstance(master_weights, bool):
+            raise ValueError(f"master_weights={master_weights!r} is not allowed: use True, False or None (auto).")
+        check_bool("skip_scheduler_on_overflow", skip_scheduler_on_overflow)
+        check_bool("check_finite", check_finite)
+        check_bool("locate_overflows", locate_overflows)
+        self.master_weights = self.format.is_16bit and master_weights is not False
+        self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
+        self.check_finite = check_finite
+        self.locate_overflows = locate_overflows
+        if loss_scale == "auto":
+            loss_scale = self.format.default_loss_scale
+        self.scaler = LossScaler.from_settings(loss_scale, scaler)
+        self.policy = Fp32Policy(fp32_ops, fp32_modules)
+        self.gemm = GemmEmulation(gemm)
+        self.step = MixedPrecisionStep(self.scaler, check_finite=check_finite, fp32_grads=self.master_weights)
+        self.masters: MasterWeights | None = None
+        self.locator: OverflowLocator | None = None
+        self.last_overflow: OverflowReport | None = None
+        self.device_type = "cpu"
+        self.sharded = False
+        self.root: nn.Module | None = None  # the module whose parameter names the reports and views use
+        self._handles: list[Any] = []
+
+    # ------------------------------------------------------------------ set-up
+    def convert(self, module: nn.Module) -> nn.Module:
+        """Watch ``module``'s parameters as FP32 masters (several calls: several models in one store)."""
+        self.sharded = is_sharded(module)
+        if self.master_weights and not self.sharded:
+            if self.masters is None:
+                self.masters = MasterWeights(self.format.dtype, keep_fp32=self.policy.keeps_fp32)
+            self.masters.convert(module)
+        return module
+
+    def connect(
+        self,
+        model: nn.Module,
+        root: nn.Module,
+        optimizers: Sequence[Optimizer],
+        schedulers: Sequence[Any],
+        policy_on: bool = True,
+    ) -> str:
+        """The one-time set-up on the model's device; returns the GEMM verdict for the front end to log.
+
+        ``model`` is what runs the forward (a DDP wrapper, say); ``root`` the module whose names reports use.
+        ``policy_on=False`` registers the FP32 policy's kernels switched off (the front end switches them on
+        around its forwards and backwards: ``policy.switched_on()``)."""
+        self.root = root
+        first = next(model.parameters(), None)
+        self.device_type = first.device.type if first is not None else "cpu"
+        check_device_supports(self.format, self.device_type)
+        verdict = self.gemm.setup(self.device_type, self.format.dtype) if self.format.is_16bit else ""
+        if self.scaler.dynamic and any(isinstance(opt, LBFGS) for opt in optimizers):
+            raise ValueError(
+                "LBFGS re-evaluates its closure inside step(), so a step with an overflow cannot be skipped: "
+                "loss_scale='dynamic' does not support it. HINT: use a static loss_scale=<number>, or "
+                "precision='bf16' (no scaling needed)."
+            )
+        if self.masters is not None and hasattr(model, "require_backward_grad_sync") and world_size() > 1:
+            # autograd differentiates the 16-bit copies, not DDP's Parameters, so DDP's reducer must never wait
+            # for them: the FP32 gradients are averaged once per step instead (numerics.distributed). Lightning
+            # turns the flag back on after every manual-optimization training_step, so it goes off before every
+            # DDP forward (and so before Lightning's prepare_for_backward in manual_backward).
+            model.require_backward_grad_sync = False
+            self._handles.append(model.register_forward_pre_hook(_no_ddp_grad_sync))
+            self.step.reduce_ = average_across_ranks_
+        self.guard_schedulers(schedulers)
+        if self.format.is_16bit:
+            # the op policy's kernels at the autocast keys, for the whole fit: the backward and activation
+            # checkpointing's recomputation (which replays autocast state) follow it too
+            self._handles.append(self.policy.activate(on=policy_on))
+            self._handles.append(self.policy.install(model, self.device_type))
+        if self.locate_overflows:
+            # nothing on a clean step; a skip names the first non-finite gradient in backward order (parameter-free
+            # modules by the nearest parameter the overflow reaches) and arms the forward checks
+            locator = self.locator = OverflowLocator(root, input_grads=False, forward=False)
+            self.step.on_overflow = lambda optimizer: locator.locate_gradients(self.named_grads(optimizer))
+            self._handles.append(locator)
+        return verdict
+
+    def guard_schedulers(self, schedulers: Sequence[Any]) -> None:
+        """With ``skip_scheduler_on_overflow``, these schedulers do not advance right after a skipped step."""
+        if self.skip_scheduler_on_overflow and schedulers:
+            self._handles.append(SchedulerGuard(list(schedulers), lambda: self.step.skipping))
+
+    def teardown(self) -> None:
+        """Hooks and kernels out, per-step state dropped: a failed fit leaves nothing for the next one."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.step.on_overflow = None
+        self.step.reset()  # a fit that failed mid-step leaves nothing for the next one
+        if self.masters is not None:
+            self.masters.remove()
+            self.masters = None
+
+    # ------------------------------------------------------------------ the step
+    def begin(self, force: bool) -> None:
+        """A forward follows: the copies are refreshed at the first hooked module (``force``: every trainable one,
+        since a write through ``.data`` moves no version counter)."""
+        if self.masters is not None:
+            self.masters.begin(force)
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        if not self.format.is_16bit:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        # autocast as well as 16-bit copies: tensors built inside the forward and parameters read outside their
+        # module's forward still get 16-bit matrix products; for the copies autocast's casts are no-ops
+        stack.enter_context(torch.autocast(self.device_type, dtype=self.format.dtype))
+        stack.enter_context(self.policy.op_context())
+        stack.enter_context(self.gemm.context())
+        return stack
+
+    def backward_context(self) -> contextlib.AbstractContextManager:
+        """The backward's GEMMs (grad @ W, x^T @ grad, the attention backward) under the forward's emulation."""
+        return self.gemm.context()
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        return self.scaler.scale_loss(loss)
+
+    def fold(self) -> None:
+        """The copies' 16-bit gradients into the Parameters' FP32 ``.grad`` (after each backward; idempotent)."""
+        if self.masters is not None:
+            self.masters.fold_grads()
+
+    def unscale_(self, optimizer: Optimizer) -> bool:
+        """Unscale and check this optimizer's gradients once per training step; whether the step is skipped."""
+        self.fold()  # a bare loss.backward() that bypassed the front end's backward
+        self.step.unscale_(optimizer)
+        return self.step.skipping
+
+    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """Skip (``None``) or step; the stepped parameters' copies are refreshed at the next forward."""
+        output = self.step.step(optimizer, **kwargs)
+        if self.masters is not None:
+            self.masters.mark_stale(p for group in optimizer.param_groups for p in group["params"])
+        return output
+
+    def end_training_step(self, step: int | None, rank_zero: bool = True) -> None:
+        """Move the scale once; on a skipped step, say where it overflowed (the locator's one read-back)."""
+        report = None
+        if self.step.in_progress and self.step.skipping:
+            report = self.locator.report() if self.locator is not None else None
+            self.last_overflow = report or self.last_overflow
+            if self.locator is not None:
+                self.locator.check_forward = True  # armed at the first skip: names a forward overflow next time
+            if rank_zero:
+                where = f": {report}" if report is not None else ""
+                log.warning(f"step {step} skipped (loss scale {self.scaler.scale:g}){where}")
+        try:
+            self.step.end_training_step(step)
+        except FloatingPointError as err:
+            if report is None:
+                raise
+            raise FloatingPointError(f"{err} Where it first went non-finite: {report}.") from err
+        finally:
+            if self.locator is not None:
+                self.locator.begin_step()
+
+    def closure_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        after_closure: Callable[[], None],
+        step: int | None,
+        **kwargs: Any,
+    ) -> Any:
+        """Optimizers that evaluate the closure several times per step (LBFGS): every evaluation runs on copies of
+        the current FP32 parameters and leaves unscaled FP32 gradients (``after_closure`` sees them); a non-finite
+        one stops the run (the step cannot be skipped halfway through a line search)."""
+
+        def evaluate() -> Any:
+            result = closure()
+            self.step.forget(optimizer)
+            if self.unscale_(optimizer):
+                raise FloatingPointError(
+                    f"Non-finite gradients at step {step} with loss scale {self.scaler.scale:g} inside an LBFGS "
+                    "step, which cannot be skipped. HINT: lower the learning rate or the static loss_scale."
+                )
+            after_closure()
+            return result
+
+        output = optimizer.step(closure=evaluate, **kwargs)
+        if self.masters is not None:
+            self.masters.mark_stale(p for group in optimizer.param_groups for p in group["params"])
+        self.end_training_step(step)  # never a skip here (a non-finite evaluation raised); resets the locator
+        return output
+
+    # ------------------------------------------------------------------ what the front ends show
+    def named_grads(self, optimizer: Optimizer | None = None) -> Iterator[tuple[str, Tensor]]:
+        """(parameter name, FP32 gradient the optimizer reads), for one optimizer's parameters or all of them."""
+        if self.root is None:
+            return
+        allowed = None if optimizer is None else {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for name, p in self.root.named_parameters():
+            if p.grad is not None and (allowed is None or id(p) in allowed):
+                yield name, p.grad
+
+    def describe(self) -> str:
+        """A Markdown summary of the settings and the FP32 policy."""
+        s = self.scaler
+        lines = [
+            f"precision: {self.format.name} (compute dtype {self.format.dtype}); master weights: "
+            f"{'FP32 parameters, 16-bit copies read by the forward' if self.master_weights else 'no (autocast only)'}",
+            f"loss scale: {s.mode!r}, current {s.scale:g}",
+        ]
+        if s.dynamic:
+            lines.append(
+                f"  growth x{s.growth_factor:g} every {s.growth_interval} clean steps, backoff x{s.backoff_factor:g}, "
+                f"hysteresis {s.hysteresis}, range [{s.min_scale:g}, 2^{_log2(s.max_scale)}]"
+            )
+        guard = "on (one host sync per step)" if self.check_finite or s.enabled else "off (no sync, no extra pass)"
+        lines.append(f"non-finite guard: {guard}; stop after {s.max_consecutive_skips} skipped steps in a row")
+        if self.format.is_16bit:
+            lines.append(self.gemm.describe())
+        return "\n".join(lines) + "\n\n" + self.policy.describe()
+
+
+def _no_ddp_grad_sync(ddp: nn.Module, args: Any) -> None:
+    ddp.require_backward_grad_sync = False
+
+
+def _log2(x: float) -> str:
+    exponent = torch.tensor(x).log2().item()
+    return f"{exponent:g}" if exponent == int(exponent) else f"{exponent:.3g}"

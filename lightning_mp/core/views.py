@@ -1,0 +1,126 @@
+"""The read-only state both front ends show, read from the :class:`MixedPrecisionCore` they hold."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_mp.core.run import MixedPrecisionCore
+from lightning_mp.doctor.report import OverflowReport
+from lightning_mp.formats import Format
+from lightning_mp.gemm.emulation import GemmEmulation
+from lightning_mp.numerics.loss_scaler import LossScaler
+from lightning_mp.numerics.step import MixedPrecisionStep
+from lightning_mp.policy.policy import Fp32Policy
+
+
+class CoreViews:
+    """The read-only state both front ends show, read from their ``core``."""
+
+    core: MixedPrecisionCore
+
+    @property
+    def loss_scale(self) -> float:
+        """The scale the next backward uses (1.0 when scaling is off)."""
+        return self.core.scaler.scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped so far because their gradients held inf or NaN."""
+        return self.core.scaler.skipped_steps
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the most recent training step was skipped."""
+        return self.core.scaler.last_step_skipped
+
+    @property
+    def last_step_scale(self) -> float:
+        """The scale the most recent training step's backward used (before that step's update)."""
+        return self.core.scaler.last_step_scale
+
+    @property
+    def training_steps(self) -> int:
+        """Training steps the scaler has seen, skipped ones included (several optimizers in one step count once)."""
+        return self.core.scaler.steps
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Deprecated name of :attr:`training_steps` (it always counted training steps)."""
+        return self.core.scaler.steps
+
+    @property
+    def last_overflow(self) -> OverflowReport | None:
+        """Where the most recent skipped step went non-finite (``None`` before any skip, with
+        ``locate_overflows=False``, or when no gradient or watched output was non-finite)."""
+        return self.core.last_overflow
+
+    @property
+    def step(self) -> MixedPrecisionStep:
+        """The step object: ``plugin.step.unscale_(optimizer)`` returns the overflow flag of this training step."""
+        return self.core.step
+
+    @property
+    def scaler(self) -> LossScaler:
+        return self.core.scaler
+
+    @property
+    def policy(self) -> Fp32Policy:
+        return self.core.policy
+
+    @property
+    def gemm(self) -> GemmEmulation:
+        return self.core.gemm
+
+    @property
+    def format(self) -> Format:
+        return self.core.format
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.core.format.dtype
+
+    @property
+    def master_weights(self) -> bool:
+        return self.core.master_weights
+
+    @property
+    def check_finite(self) -> bool:
+        return self.core.check_finite
+
+    @property
+    def locate_overflows(self) -> bool:
+        return self.core.locate_overflows
+
+    @property
+    def skip_scheduler_on_overflow(self) -> bool:
+        return self.core.skip_scheduler_on_overflow
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded by FSDP2: its FP32 shards are the masters (see numerics.sharding)."""
+        return self.core.sharded
+
+    def named_grads(self, optimizer: Optimizer | None = None) -> Iterator[tuple[str, Tensor]]:
+        """(parameter name, FP32 gradient the optimizer reads), for one optimizer's parameters or all of them.
+
+        In ``on_before_optimizer_step(optimizer)`` the gradients of that optimizer are unscaled (true values); with
+        several optimizers, another optimizer's gradients may still be scaled until its own step."""
+        return self.core.named_grads(optimizer)
+
+    def named_fp32_parameters(self) -> Iterator[tuple[str, Tensor]]:
+        """(name, value) of every parameter: the FP32 masters, which the Parameters hold at every moment
+        (``module.named_parameters()`` is the same; kept for code written against earlier versions)."""
+        if self.core.root is not None:
+            for name, p in self.core.root.named_parameters():
+                yield name, p.detach()
+
+    def describe(self) -> str:
+        """A Markdown summary of this plugin's settings and its FP32 policy."""
+        return self.core.describe()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.core.format.name!r})"

@@ -1,0 +1,255 @@
+"""The Trainer front end: Lightning's ``Precision`` hooks mapped onto :class:`lightning_mp.core.MixedPrecisionCore`.
+
+One training step under automatic optimization::
+
+    train_step_context    core.begin(force=True), core.forward_context()
+    pre_backward          core.scale_loss
+    backward              under core.backward_context()
+    post_backward         core.fold()         (on_after_backward sees every gradient in FP32 .grad)
+    optimizer_step        closure, core.unscale_ (hooks and clipping see true gradients), core.optimizer_step,
+                          core.end_training_step (once per training step, however many optimizers)
+
+The model's Parameters hold their FP32 master values at every moment (:mod:`lightning_mp.numerics.master_weights`).
+With manual optimization the scale update waits for the end of ``training_step``, so several optimizers stepping
+in one batch use one scale and move the state machine once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator, Iterable, Sequence
+from typing import Any, Callable
+
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from torch import Tensor, nn
+from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
+
+from lightning_mp.core import CoreViews, MixedPrecisionCore
+from lightning_mp.numerics.checkpoint_compat import gradscaler_state, is_gradscaler_state, take_gradscaler_state
+from lightning_mp.numerics.loss_scaler import ScalerSettings
+from lightning_mp.numerics.sharding import fsdp_mp_policy
+from lightning_mp.policy.ops import DEFAULT_FP32_MODULES, DEFAULT_FP32_OPS
+
+_S = ScalerSettings  # the scaler's knobs and their defaults are declared once, there
+
+
+class MixedPrecisionPlugin(CoreViews, Precision):
+    """Mixed precision with FP32 master weights, dynamic loss scaling and an FP32 op policy.
+
+    Args:
+        precision: ``"fp16"``, ``"bf16"`` or ``"fp32"`` (aliases: ``"16"``, ``"16-mixed"``, ``"bf16-mixed"``,
+            ``"32"``, ``"32-true"``). ``"fp32"`` is a passthrough: bit-identical to a Trainer without the plugin,
+            plus the guard that skips steps with non-finite gradients.
+        master_weights: forward and backward read 16-bit copies of the parameters while the Parameters
+            themselves, and so the optimizer, hold FP32 masters (default for fp16 and bf16). ``False`` runs the
+            forward under autocast only, like Lightning's ``16-mixed``/``bf16-mixed``. Ignored for fp32.
+        loss_scale: ``"dynamic"``, a positive number (static scale), ``None`` (no scaling), or ``"auto"``
+            (default): ``"dynamic"`` for fp16, ``None`` for bf16 and fp32.
+        fp32_ops: ops that always compute in FP32 under autocast (names or torch callables), default
+            :data:`lightning_mp.DEFAULT_FP32_OPS`; kernels at torch's autocast dispatch keys for the whole fit.
+        fp32_modules: module classes whose whole subtree (parameters and forward, children included) stays FP32,
+            default :data:`lightning_mp.DEFAULT_FP32_MODULES` (norm, recurrent and embedding layers).
+        skip_scheduler_on_overflow: ``interval="step"`` learning-rate schedulers do not advance on a skipped step.
+            ``trainer.global_step`` still counts every training step; :attr:`skipped_steps` says how many skipped.
+        check_finite: check the gradients for inf/NaN before every optimizer step and skip such steps, also when
+            the loss is not scaled (bf16, fp32): one fused read of the gradients and one device->host sync per
+            step, which Lightning's ``bf16-mixed`` does not pay. ``False`` with no loss scaling removes both.
+        locate_overflows: on a skipped step, name where it went non-finite (:class:`lightning_mp.OverflowLocator`):
+            the first non-finite gradient in backward order, and from then on the first module whose forward
+            output went non-finite; in a log line, :attr:`last_overflow` and the ``FloatingPointError`` that stops
+            a run. A clean step costs nothing; the forward checks (5-13% of a step) are armed at the first skip.
+        gemm: how 16-bit matrix products run: ``"auto"`` (default) emulates them with FP32 GEMMs on the 16-bit
+            values only where the device has no native 16-bit arithmetic (many CPUs do bf16 but not fp16);
+            ``"native"`` always uses torch's 16-bit kernels; ``"emulated"`` always emulates.
+        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
+            max_consecutive_skips: the dynamic scaler's knobs (:class:`lightning_mp.numerics.loss_scaler.ScalerSettings`).
+    """
+
+    def __init__(
+        self,
+        precision: str = "bf16",
+        *,
+        master_weights: bool | None = None,
+        loss_scale: str | float | None = "auto",
+        fp32_ops: Iterable[str | Callable] = DEFAULT_FP32_OPS,
+        fp32_modules: Sequence[type[nn.Module]] = DEFAULT_FP32_MODULES,
+        skip_scheduler_on_overflow: bool = True,
+        check_finite: bool = True,
+        locate_overflows: bool = True,
+        gemm: str = "auto",
+        init_scale: float = _S.init_scale,
+        growth_factor: float = _S.growth_factor,
+        backoff_factor: float = _S.backoff_factor,
+        growth_interval: int = _S.growth_interval,
+        hysteresis: int = _S.hysteresis,
+        min_scale: float = _S.min_scale,
+        max_scale: float = _S.max_scale,
+        max_consecutive_skips: int = _S.max_consecutive_skips,
+    ) -> None:
+        super().__init__()
+        self.core = MixedPrecisionCore(
+            precision, master_weights=master_weights, loss_scale=loss_scale, fp32_ops=fp32_ops,
+            fp32_modules=fp32_modules, skip_scheduler_on_overflow=skip_scheduler_on_overflow,
+            check_finite=check_finite, locate_overflows=locate_overflows, gemm=gemm,
+            scaler=ScalerSettings(
+                init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
+                max_consecutive_skips=max_consecutive_skips,
+            ),
+        )  # fmt: skip
+        self.precision = self.core.format.lightning_precision  # what Lightning's Trainer.precision reports
+        self._lightning_module: LightningModule | None = None
+
+    def fsdp_mp_policy(self):
+        """The FSDP2 ``MixedPrecisionPolicy`` for this format: compute in it, reduce gradients in FP32.
+
+        Pass it to every ``fully_shard(..., mp_policy=plugin.fsdp_mp_policy())`` call in ``configure_model``."""
+        return fsdp_mp_policy(self.core.format.dtype)
+
+    # ------------------------------------------------------------------ set-up
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return self.core.convert(module)
+
+    @override
+    def connect(
+        self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+        self._lightning_module = _find_lightning_module(model)
+        schedulers = [c.scheduler for c in lr_schedulers if getattr(c, "interval", "epoch") == "step"]
+        verdict = self.core.connect(model, self._lightning_module or model, optimizers, schedulers)
+        if verdict:
+            rank_zero_info(verdict)
+        return model, optimizers, lr_schedulers
+
+    @override
+    def teardown(self) -> None:
+        self.core.teardown()
+
+    # ------------------------------------------------------------------ forward
+    @override
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return self.core.forward_context()
+
+    @override
+    @contextlib.contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        self.core.begin(force=True)  # a write through `.data` (WGAN's clamp) moves no version counter
+        with self.core.forward_context():
+            yield
+        if self._lightning_module is not None and not self._lightning_module.automatic_optimization:
+            self.core.fold()  # a bare loss.backward() in training_step
+            self._end_training_step()
+
+    @contextlib.contextmanager
+    def _eval_step_context(self) -> Generator[None, None, None]:
+        self.core.begin(force=False)
+        with self.core.forward_context():
+            yield
+
+    @override
+    def val_step_context(self) -> contextlib.AbstractContextManager:
+        return self._eval_step_context()
+
+    @override
+    def test_step_context(self) -> contextlib.AbstractContextManager:
+        return self._eval_step_context()
+
+    @override
+    def predict_step_context(self) -> contextlib.AbstractContextManager:
+        return self._eval_step_context()
+
+    # ------------------------------------------------------------------ backward
+    @override
+    def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
+        return super().pre_backward(self.core.scale_loss(tensor), module)
+
+    @override
+    def backward(  # type: ignore[override]
+        self, tensor: Tensor, model: LightningModule, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        with self.core.backward_context():
+            super().backward(tensor, model, optimizer, *args, **kwargs)
+
+    @override
+    def post_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
+        self.core.fold()  # before on_after_backward: hooks see every gradient in the Parameters' FP32 .grad
+        return super().post_backward(tensor, module)
+
+    # ------------------------------------------------------------------ optimizer step
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        if isinstance(optimizer, LBFGS):
+            after = lambda: self._after_closure(model, optimizer)  # noqa: E731
+            return self.core.closure_step(optimizer, closure, after, self._step_no(), **kwargs)
+        closure_result = closure()
+        if closure_result is None and model.automatic_optimization:
+            # training_step returned None: Lightning's convention for "skip this batch", not an overflow
+            self.core.fold()
+            self._after_closure(model, optimizer)
+            return None
+        self.core.unscale_(optimizer)
+        self._after_closure(model, optimizer)  # hooks and clipping: true FP32 gradients
+        output = self.core.optimizer_step(optimizer, **kwargs)
+        if model.automatic_optimization:
+            self._end_training_step()
+        return output
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Unscale first, on every path (automatic, manual ``self.clip_gradients``, several optimizers)."""
+        if clip_val <= 0:
+            return
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer: the step keys the raw one
+        if self.core.unscale_(optimizer):
+            return  # the step is skipped: clipping inf/NaN gradients would only compute NaN norms
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+
+    def _end_training_step(self) -> None:
+        self.core.end_training_step(self._step_no(), rank_zero=getattr(rank_zero_only, "rank", 0) == 0)
+
+    def _step_no(self) -> int | None:
+        trainer = getattr(self._lightning_module, "_trainer", None)
+        return trainer.global_step if trainer is not None else None
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Take over the scale of a checkpoint that Lightning's own ``16-mixed`` wrote (:mod:`.checkpoint_compat`)."""
+        native = gradscaler_state(checkpoint, type(self).__qualname__)
+        if native is not None:
+            take_gradscaler_state(self.core.scaler, native)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"precision": self.core.format.name, **self.core.step.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if is_gradscaler_state(state_dict):  # Lightning's deprecated alias of 16-mixed, under our key
+            take_gradscaler_state(self.core.scaler, state_dict)
+        else:
+            self.core.step.load_state_dict(state_dict)
+
+
+def _find_lightning_module(model: nn.Module) -> LightningModule | None:
+    """The LightningModule inside wrappers such as DistributedDataParallel."""
+    for _ in range(8):
+        if isinstance(model, LightningModule) or not isinstance(getattr(model, "module", None), nn.Module):
+            break
+        model = model.module
+    return model if isinstance(model, LightningModule) else None
+
+
+__all__ = ["MixedPrecisionPlugin"]

@@ -1,0 +1,1 @@
+"""The TensorBoard callbacks and their shared base."""

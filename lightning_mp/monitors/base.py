@@ -1,0 +1,79 @@
+"""What the precision monitors share: find the plugin and a logger at ``fit`` setup, count the training steps the
+scaler has seen, name Lightning's logging step, and find the loggers that take histograms."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from lightning_mp.lightning.plugin import MixedPrecisionPlugin
+
+
+class _PrecisionMonitor(Callback):
+    """Find the plugin and a logger at ``fit`` setup, and track which training steps the scaler has already seen
+    (``plugin.optimizer_steps`` moves once per training step that stepped).
+
+    Subclasses that also work without the plugin (reading only the model) set ``_requires_plugin = False``; their
+    ``_plugin`` is then ``None`` in a run without it.
+    """
+
+    _requires_plugin = True
+
+    def __init__(self) -> None:
+        self._plugin: MixedPrecisionPlugin | None = None
+        self._seen_steps = 0
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        name = type(self).__name__
+        if not trainer.loggers:
+            raise MisconfigurationException(
+                f"Cannot use `{name}` callback with a `Trainer` that has no logger. "
+                "HINT: pass `logger=TensorBoardLogger(save_dir)` (or any Lightning logger) to the Trainer."
+            )
+        plugin = trainer.precision_plugin
+        if not isinstance(plugin, MixedPrecisionPlugin):
+            if not self._requires_plugin:
+                self._plugin = None
+                return
+            raise MisconfigurationException(
+                f"`{name}` reads the loss scaler of `lightning_mp.MixedPrecisionPlugin`, but this Trainer's precision "
+                f"plugin is {type(plugin).__name__} (precision={trainer.precision!r}). HINT: add it to the Trainer: "
+                f"`Trainer(plugins=[MixedPrecisionPlugin('fp16')], callbacks=[{name}()])` (use it instead of the "
+                "`precision=` argument)."
+            )
+        self._plugin = plugin
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after a checkpoint restore, so a resumed run does not log the restored count as a new step
+        self._seen_steps = self._plugin.optimizer_steps if self._plugin is not None else 0
+
+
+def _logger_step(trainer: pl.Trainer) -> int:
+    """The step Lightning's loggers use for this batch: batches that stepped an optimizer so far, counted once per
+    batch whatever the number of optimizers. Lightning has no public name for it; LearningRateMonitor reads the
+    same counter. During the batch's hooks it still holds this batch's index (it moves after ``on_train_batch_end``)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def histogram_writers(loggers: Iterable[Any]) -> list[Any]:
+    """The loggers' experiments that take raw histograms (TensorBoard's ``SummaryWriter``)."""
+    experiments = (getattr(lg, "experiment", None) for lg in loggers)
+    return [w for w in experiments if hasattr(w, "add_histogram_raw")]
+
+
+def no_histogram_message(owner: str, logs: str, needs: str, still: str, loggers: Iterable[Any]) -> str:
+    """The one warning a monitor gives when no logger takes what it draws; ``still`` is what is logged anyway."""
+    names = ", ".join(type(lg).__name__ for lg in loggers)
+    return (
+        f"`{owner}` logs {logs} only to loggers whose experiment has {needs} (TensorBoardLogger); with {names} "
+        f"only {still} are logged."
+    )

@@ -1,0 +1,79 @@
+"""Log the loss scale and the running count of skipped steps to every logger, one point per optimizer step.
+
+Everything logged here is a Python number the plugin already holds on the host (the scale and the skip counter
+live there, see :mod:`lightning_mp.numerics.loss_scaler`), so this callback adds no device sync and no device work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from typing_extensions import override
+
+# the shared base lives in monitor_base; these names stay importable from here
+from lightning_mp.monitors.base import _logger_step, _PrecisionMonitor  # noqa: F401
+from lightning_mp.validation import check_int
+
+
+class LossScaleMonitor(_PrecisionMonitor):
+    """Logs the loss scale each training step used and how many steps were skipped so far.
+
+    One point per training step that ran an optimizer step: under gradient accumulation only the micro-batch
+    that steps logs, and with manual optimization several optimizers stepping in one ``training_step`` still
+    make one point (the plugin moves its scale once per training step). Points are logged at Lightning's logger
+    step (the x-axis ``self.log`` uses), so they line up with the loss curve.
+
+    ================================  =====================================================================
+    Key                               Logged value
+    ================================  =====================================================================
+    ``precision/loss_scale``          the scale the step's backward used (float; ``1.0`` when scaling is off).
+                                      A step that overflows shows the scale that overflowed; the backed-off
+                                      scale appears on the next step.
+    ``precision/skipped_steps``       optimizer steps skipped so far because their gradients held inf/NaN
+                                      (running total; it counts up on the skipped step itself)
+    ================================  =====================================================================
+
+    Args:
+        logging_interval: log every this many steps (at steps ``n-1, 2n-1, ...``, Lightning's convention).
+            ``None`` (default) follows the Trainer's ``log_every_n_steps``, so ``log_every_n_steps=0`` turns it
+            off as it does ``self.log``.
+
+    Raises:
+        MisconfigurationException: at ``fit`` when the Trainer has no logger, or its precision plugin is not
+            :class:`lightning_mp.MixedPrecisionPlugin`.
+
+    Example::
+
+        Trainer(
+            plugins=[MixedPrecisionPlugin("fp16")], callbacks=[LossScaleMonitor()], logger=TensorBoardLogger("logs")
+        )
+    """
+
+    def __init__(self, logging_interval: int | None = None) -> None:
+        check_int(
+            "logging_interval", logging_interval, 1, why="log every that many optimizer steps",
+            allow_none="follow the Trainer's log_every_n_steps",
+        )
+        super().__init__()
+        self.logging_interval = logging_interval
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        plugin = self._plugin
+        if plugin is None or plugin.optimizer_steps == self._seen_steps:
+            return  # no optimizer step in this batch (an accumulating micro-batch, or a skipped training_step)
+        self._seen_steps = plugin.optimizer_steps
+        step = _logger_step(trainer)
+        interval = self.logging_interval if self.logging_interval is not None else trainer.log_every_n_steps
+        if not interval or (step + 1) % interval:
+            return
+        metrics = {
+            "precision/loss_scale": float(plugin.last_step_scale),
+            "precision/skipped_steps": float(plugin.skipped_steps),
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+
+__all__ = ["LossScaleMonitor"]

@@ -1,0 +1,83 @@
+"""The two collectives mixed precision needs under data parallelism.
+
+* The overflow decision must be the same on every rank, or ranks skip different steps and their weights drift
+  apart. DDP's gradient averaging usually spreads an inf to every rank, but not always (a NaN can be produced
+  after the all-reduce, locally, and sharded gradients never see the others), so the flag is agreed explicitly:
+  an all-reduce with MAX of one float per step, as Megatron, DeepSpeed and torch's ShardedGradScaler do.
+* Gradient averaging with master weights: DDP would average each micro-batch's 16-bit gradients (a bf16 sum
+  keeps 8 significant bits, and under ``no_sync`` accumulation only the last micro-batch would be averaged once
+  its gradient is folded into the FP32 master). Instead DDP's own sync is switched off and the FP32 master
+  gradients are averaged once per optimizer step, after all micro-batches, as Megatron reduces its FP32
+  ``main_grad``. Cost: an all-reduce of 4 bytes per parameter per step, in place on the flat FP32 gradient
+  buffer, not overlapped with the backward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def agree_on_overflow_(found_inf: Tensor) -> Tensor:
+    """All ranks end with the largest flag of any rank (in place); a no-op in a single process."""
+    if world_size() > 1:
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+    return found_inf
+
+
+@torch.no_grad()
+def average_across_ranks_(tensors: list[Tensor]) -> None:
+    """Replace each tensor by its mean over ranks (SUM then divide: gloo has no AVG).
+
+    Tensors that tile one buffer back to back (the FP32 gradients :class:`lightning_mp.numerics.master_weights.MasterWeights`
+    folds into one flat buffer per step) are all-reduced in place, as one run per buffer: no concatenated copy
+    (+4 B per parameter at the peak) and no copy back. What is left (gradients autograd allocated for FP32
+    parameters, zeros for missing ones) goes through one concatenated all-reduce.
+    """
+    n = world_size()
+    if n == 1 or not tensors:
+        return
+    rest = []
+    for run in contiguous_runs(tensors):
+        if len(run) == 1:
+            rest.append(run[0])
+            continue
+        flat = run_view(run)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat.div_(n)
+    if not rest:
+        return
+    flat = torch.cat([t.reshape(-1) for t in rest])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat.div_(n)
+    offset = 0
+    for t in rest:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def contiguous_runs(tensors: list[Tensor]) -> list[list[Tensor]]:
+    """Split ``tensors`` (in order) into runs of contiguous tensors that follow each other in one storage."""
+    runs: list[list[Tensor]] = []
+    end = None  # (storage pointer, dtype, device, offset where the current run ends)
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.dtype, t.device) if t.is_contiguous() else None
+        if key is not None and end is not None and end == (*key, t.storage_offset()):
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+        end = (*key, t.storage_offset() + t.numel()) if key is not None else None
+    return runs
+
+
+def run_view(run: list[Tensor]) -> Tensor:
+    """A 1-D view covering a run from :func:`contiguous_runs` (writing it writes the tensors)."""
+    first = run[0]
+    if len(run) == 1:
+        return first.reshape(-1)
+    return first.as_strided((sum(t.numel() for t in run),), (1,), first.storage_offset())

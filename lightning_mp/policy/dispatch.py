@@ -1,0 +1,243 @@
+"""The FP32 op policy as kernels at the autocast dispatch keys, switched on and off process-wide.
+
+How it works
+------------
+``torch.autocast`` is a dispatch key (``AutocastCPU``, ``AutocastCUDA``) that sits above autograd: while
+autocast is on, every op on a tensor of that device passes it, and for most ops the key falls through at no
+cost. ``activate(plan)`` registers, with ``torch.library``, a small Python kernel at that key for each listed
+aten overload that autocast does not already run in FP32 (:func:`lightning_mp.policy.aten.kernel_plan`). The
+kernel upcasts 16-bit floating tensor arguments to FP32 (or, for ops with an optional ``dtype``, passes
+``dtype=torch.float32`` as CUDA autocast does: the kernel converts on the fly where it can), then calls the op
+with the autocast keys excluded, exactly as autocast's own FP32 kernels do. ``remove()`` deregisters it:
+another autocast user in the process (Lightning's ``bf16-mixed``) then sees torch's autocast unchanged.
+
+What it costs
+-------------
+Unlisted ops: nothing (the dispatcher's table lookup is the same with or without the registrations). Outside
+``torch.autocast`` nothing runs either: the keys are excluded from dispatch then. A listed op pays a Python
+call (a few microseconds) plus the upcast copies autocast's FP32 list also makes (read 2 bytes, write 4 per
+element of each 16-bit input) and an FP32 output. Registering a plan is a one-off per fit (a table update per
+overload), not per step.
+
+Why process-global
+------------------
+Autocast state is replayed where torch recomputes or differentiates: activation checkpointing (reentrant and
+not) re-enters autocast for the recomputation, on CUDA on autograd's device threads. A thread-local switch would
+be off there; the registrations are seen by every thread. The flip side: while a plan is active, every thread
+in the process that runs under autocast gets the listed ops in FP32. Plans held at the same time add up: the
+union of their overloads is FP32 (each overload's kernel is the same whichever plan asked for it).
+
+``torch.compile`` traces through the kernels (Dynamo's fake tensors reach them like real ones), so compiled
+graphs have the listed ops in FP32. Dynamo does not guard on the registrations: a graph compiled by a lowering
+backend ("aot_eager", "inductor") keeps the casts it traced; compile while the policy is in the state it will
+run in (a plugin compiles inside its fit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch._C import DispatchKey, DispatchKeySet
+
+from lightning_mp.formats import HALF_DTYPES
+from lightning_mp.policy.aten import BATCH_NORM, SET_DTYPE, Rule
+from lightning_mp.policy.mode import _native_mixed_batch_norm
+
+# Autocast's own FP32 kernels exclude every autocast key for the inner call; so do these, so the op (and the ops
+# a composite decomposes into) is not cast again.
+_NO_AUTOCAST = DispatchKeySet(DispatchKey.AutocastCPU) | DispatchKeySet(DispatchKey.AutocastCUDA)
+_FP32 = torch.float32
+
+
+def _up(obj: Any) -> Any:
+    """A 16-bit floating tensor as FP32 (also inside a Tensor[] list); everything else as it is. ``.float()`` is
+    differentiable: the backward casts the gradient back to the input's dtype."""
+    if isinstance(obj, torch.Tensor):
+        return obj.float() if obj.dtype in HALF_DTYPES else obj
+    if isinstance(obj, (list, tuple)) and any(isinstance(item, torch.Tensor) for item in obj):
+        return type(obj)(_up(item) for item in obj)
+    return obj
+
+
+@contextlib.contextmanager
+def switched_on(plan: frozenset[tuple[str, str, Rule]]) -> Iterator[None]:
+    """The plan's registered kernels compute in FP32 inside the block (process-wide; nests). Registering is the
+    expensive part (a table update per overload), so a front end without a fit to span (Fabric) registers once and
+    switches its kernels on only around its forwards and backwards; a registered kernel that no hold switches on
+    does exactly what autocast does for that overload. A counter per overload: other plans' kernels stay as they
+    are."""
+    _switch(plan, 1)
+    try:
+        yield
+    finally:
+        _switch(plan, -1)
+
+
+def _switch(plan: frozenset[tuple[str, str, Rule]], delta: int) -> None:
+    with _LOCK:
+        for key, overload, _ in plan:
+            entry = _KERNELS.get((key, overload))
+            if entry is not None:
+                entry[2][0] += delta
+
+
+def _autocast_off(op: Any, key: str, overload: str) -> Callable[..., Any] | None:
+    """What a switched-off kernel runs: the dispatch autocast itself would do for ``overload``, i.e. a fallthrough
+    to the keys below ``key`` (nested ops still meet autocast, as a composite such as ``nll_loss_nd`` needs for the
+    ``nll_loss`` autocast runs in FP32). ``None`` where autocast has a kernel of its own for the overload (on CUDA:
+    ``binary_cross_entropy``, which it refuses, and ``rms_norm``): there the policy's kernel computes in FP32 even
+    when switched off."""
+    packet, _, name = overload.partition(".")
+    if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{packet}" + (f".{name}" if name else ""), key):
+        return None
+    exclude = torch._C._ExcludeDispatchKeyGuard
+    composite = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), DispatchKey.CompositeImplicitAutograd)
+
+    def fallthrough(*args: Any, **kwargs: Any) -> Any:
+        if composite:  # decomposed here, with autocast still on for the ops it calls
+            return op.decompose(*args, **kwargs)
+        with exclude(_NO_AUTOCAST):  # a leaf kernel: what autocast's fallthrough reaches
+            return op(*args, **kwargs)
+
+    return fallthrough
+
+
+def _make_kernel(op: Any, rule: Rule, off: Callable[..., Any] | None, on: list[int]) -> Callable[..., Any]:
+    """The kernel of one overload (``off``: what runs while no hold switches the kernels on). The dispatcher passes
+    the schema's positional arguments positionally (trailing defaults dropped) and keyword-only ones by name (only
+    when given)."""
+    exclude = torch._C._ExcludeDispatchKeyGuard
+
+    if rule.kind == SET_DTYPE:
+        index, kwarg_only = rule.dtype_index, rule.dtype_kwarg_only
+
+        def set_dtype_kernel(*args: Any, **kwargs: Any) -> Any:
+            if not on[0] and off is not None:
+                return off(*args, **kwargs)
+            positional = not kwarg_only and len(args) > index
+            given = args[index] if positional else kwargs.get("dtype")
+            # an explicit dtype is the caller's precision; FP32/FP64 inputs need nothing
+            if given is None and args[0].dtype in HALF_DTYPES:
+                if positional:
+                    args = (*args[:index], _FP32, *args[index + 1 :])
+                else:
+                    kwargs["dtype"] = _FP32
+            with exclude(_NO_AUTOCAST):
+                return op(*args, **kwargs)
+
+        return set_dtype_kernel
+
+    def upcast_kernel(*args: Any, **kwargs: Any) -> Any:
+        if not on[0] and off is not None:
+            return off(*args, **kwargs)
+        # batch norm with a 16-bit input and FP32 weight and statistics runs mixed-dtype natively: statistics in
+        # FP32 inside the kernel, no FP32 copy of the activation for autograd to keep (see _native_mixed_batch_norm)
+        if not (rule.kind == BATCH_NORM and _native_mixed_batch_norm(args[0], args[1:5])):
+            args = tuple(_up(arg) for arg in args)
+            if kwargs:
+                kwargs = {name: _up(value) for name, value in kwargs.items()}
+        with exclude(_NO_AUTOCAST):
+            return op(*args, **kwargs)
+
+    return upcast_kernel
+
+
+def _op(overload: str) -> Callable[..., Any]:
+    packet, _, name = overload.partition(".")
+    return getattr(getattr(torch.ops.aten, packet), name or "default")
+
+
+# (autocast key, overload) -> [number of active plans that list it, the Library holding its kernel]
+_KERNELS: dict[tuple[str, str], list[Any]] = {}
+# active plans (frozensets of (key, overload, rule)) -> number of handles holding each
+_PLANS: dict[frozenset[tuple[str, str, Rule]], int] = {}
+_LOCK = threading.Lock()
+
+
+def _register(key: str, overload: str, rule: Rule) -> list[Any]:
+    """[holds, the Library holding the kernel, [holds that switch it on]] for one overload."""
+    lib = torch.library.Library("aten", "IMPL")
+    on = [0]
+    with warnings.catch_warnings():
+        # overriding a kernel of autocast's own (a user-listed "matmul", CUDA's refusal of binary_cross_entropy)
+        # warns once per process; the override is the point, and remove() restores autocast's kernel
+        warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
+        op = _op(overload)
+        off = _autocast_off(op, key, overload)  # asked before the registration replaces autocast's own kernel
+        lib.impl(overload, _make_kernel(op, rule, off, on), key)
+    return [0, lib, on]
+
+
+class Fp32Activation:
+    """A hold on an FP32 kernel plan, from :meth:`lightning_mp.Fp32Policy.activate`. ``remove()`` releases it
+    (idempotent); the kernels go when the last hold on them goes. Also a context manager. ``on=False`` registers
+    the kernels switched off: they compute in FP32 only inside :func:`switched_on`."""
+
+    def __init__(self, plan: frozenset[tuple[str, str, Rule]], on: bool = True) -> None:
+        self._plan: frozenset[tuple[str, str, Rule]] | None = plan
+        self._on = on
+        with _LOCK:
+            count = _PLANS.get(plan, 0)
+            _PLANS[plan] = count + 1
+            if not count:  # the same plan already registered: one counter, not one per overload
+                done: list[tuple[str, str]] = []
+                try:
+                    for key, overload, rule in plan:
+                        entry = _KERNELS.get((key, overload))
+                        if entry is None:
+                            entry = _KERNELS[(key, overload)] = _register(key, overload, rule)
+                        entry[0] += 1
+                        done.append((key, overload))
+                except BaseException:
+                    del _PLANS[plan]
+                    _drop(done)
+                    raise
+        if on:
+            _switch(plan, 1)
+
+    @property
+    def active(self) -> bool:
+        return self._plan is not None
+
+    def remove(self) -> None:
+        plan, self._plan = self._plan, None
+        if plan is None:
+            return
+        if self._on:
+            _switch(plan, -1)
+        with _LOCK:
+            count = _PLANS.pop(plan) - 1
+            if count:
+                _PLANS[plan] = count
+            else:
+                _drop([(key, overload) for key, overload, _ in plan])
+
+    def __enter__(self) -> Fp32Activation:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"Fp32Activation({len(self._plan or ())} kernels, {'active' if self.active else 'removed'})"
+
+
+def _drop(kernels: list[tuple[str, str]]) -> None:
+    """Release one hold on each kernel (the lock held); the last hold deregisters it."""
+    for name in kernels:
+        entry = _KERNELS[name]
+        entry[0] -= 1
+        if not entry[0]:
+            entry[1]._destroy()  # torch's autocast kernel (or its fallthrough) is back
+            del _KERNELS[name]
+
+
+def active_kernels(key: str) -> frozenset[str]:
+    """The overloads that have a policy kernel at ``key`` right now (for tests and diagnostics)."""
+    with _LOCK:
+        return frozenset(overload for (k, overload) in _KERNELS if k == key)
