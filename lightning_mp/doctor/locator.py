@@ -19,8 +19,8 @@ non-finite forward output wins. What is checked, the backward order, and what ea
             optimizer.step()
     locator.remove()
 
-This module is the hooks and their bookkeeping; :mod:`lightning_mp.doctor.report` is the report and how the
-device checks are read back, :mod:`lightning_mp.doctor.finite_checks` the checks themselves.
+The hooks and their bookkeeping; the report is :mod:`~lightning_mp.doctor.report`, the checks
+:mod:`~lightning_mp.doctor.finite_checks`, the order :mod:`~lightning_mp.doctor.order`.
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ from lightning_mp.doctor.order import ModuleOrder
 from lightning_mp.numerics.sharding import local
 from lightning_mp.validation import check_bool
 
-# A step that never calls begin_step (a forgotten call in a custom loop) must not grow without bound: past this many
-# device records the locator stops recording until the next begin_step. A GPT step makes a few hundred.
+# Past this many device records (a loop that never calls begin_step; a GPT step makes a few hundred) recording stops.
 _MAX_RECORDS = 200_000
 
 # Devices whose checks are read at once (no asynchronous queue, so reading costs no sync). Everything else is
