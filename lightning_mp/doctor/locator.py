@@ -274,9 +274,8 @@ class OverflowLocator:
             for caller, caller_inputs, _ in reversed(self._calls):
                 caller_amax = max((_host_amax(a) for a in caller_inputs), default=None)
                 if caller_amax is None or math.isfinite(caller_amax):
-                    report = OverflowReport(
-                        "forward", self._names[caller], self._types[caller], "own code", value, caller_amax
-                    )
+                    name, kind = self._names[caller], self._types[caller]
+                    report = OverflowReport("forward", name, kind, "own code", value, caller_amax)
                     break
         self._found[0] = _Found(self._next_seq(), report, index)
         return True
@@ -299,5 +298,3 @@ class OverflowLocator:
             self._recording = False  # begin_step is not being called; stop rather than grow
         return self._recording
 
-
-__all__ = ["OverflowLocator", "OverflowReport", "PHASES"]  # the last two live in overflow_report
