@@ -1,17 +1,10 @@
 """The Trainer front end: Lightning's ``Precision`` hooks mapped onto :class:`lightning_mp.core.MixedPrecisionCore`.
 
-One training step under automatic optimization::
-
-    train_step_context    core.begin(force=True), core.forward_context()
-    pre_backward          core.scale_loss
-    backward              under core.backward_context()
-    post_backward         core.fold()         (on_after_backward sees every gradient in FP32 .grad)
-    optimizer_step        closure, core.unscale_ (hooks and clipping see true gradients), core.optimizer_step,
-                          core.end_training_step (once per training step, however many optimizers)
-
-The model's Parameters hold their FP32 master values at every moment (:mod:`lightning_mp.numerics.master_weights`).
-With manual optimization the scale update waits for the end of ``training_step``, so several optimizers stepping
-in one batch use one scale and move the state machine once.
+``train_step_context`` -> ``core.begin`` + ``core.forward_context``; ``pre_backward`` -> ``core.scale_loss``;
+``post_backward`` -> ``core.fold`` (``on_after_backward`` sees every gradient in FP32 ``.grad``); ``optimizer_step``
+-> closure, ``core.unscale_`` (hooks and clipping see true gradients), ``core.optimizer_step`` and, once per training
+step however many optimizers stepped, ``core.end_training_step`` (manual optimization: at the end of
+``training_step``, so several optimizers use one scale and move the state machine once).
 """
 
 from __future__ import annotations
@@ -40,6 +33,9 @@ _S = ScalerSettings  # the scaler's knobs and their defaults are declared once, 
 class MixedPrecisionPlugin(CoreViews, Precision):
     """Mixed precision with FP32 master weights, dynamic loss scaling and an FP32 op policy.
 
+    The dynamic scaler's knobs (``init_scale`` ... ``max_consecutive_skips``) and their defaults are the fields of
+    :class:`lightning_mp.ScalerSettings`; :class:`lightning_mp.LossScaler` documents each.
+
     Args:
         precision: ``"fp16"``, ``"bf16"`` or ``"fp32"`` (aliases: ``"16"``, ``"16-mixed"``, ``"bf16-mixed"``,
             ``"32"``, ``"32-true"``). ``"fp32"`` is a passthrough: bit-identical to a Trainer without the plugin,
@@ -54,7 +50,6 @@ class MixedPrecisionPlugin(CoreViews, Precision):
         fp32_modules: module classes whose whole subtree (parameters and forward, children included) stays FP32,
             default :data:`lightning_mp.DEFAULT_FP32_MODULES` (norm, recurrent and embedding layers).
         skip_scheduler_on_overflow: ``interval="step"`` learning-rate schedulers do not advance on a skipped step.
-            ``trainer.global_step`` still counts every training step; :attr:`skipped_steps` says how many skipped.
         check_finite: check the gradients for inf/NaN before every optimizer step and skip such steps, also when
             the loss is not scaled (bf16, fp32): one fused read of the gradients and one device->host sync per
             step, which Lightning's ``bf16-mixed`` does not pay. ``False`` with no loss scaling removes both.
@@ -65,8 +60,6 @@ class MixedPrecisionPlugin(CoreViews, Precision):
         gemm: how 16-bit matrix products run: ``"auto"`` (default) emulates them with FP32 GEMMs on the 16-bit
             values only where the device has no native 16-bit arithmetic (many CPUs do bf16 but not fp16);
             ``"native"`` always uses torch's 16-bit kernels; ``"emulated"`` always emulates.
-        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
-            max_consecutive_skips: the dynamic scaler's knobs (:class:`lightning_mp.numerics.loss_scaler.ScalerSettings`).
     """
 
     def __init__(
