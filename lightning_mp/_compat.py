@@ -12,7 +12,7 @@ import warnings
 MOVED = {
     "loss_scaler": "numerics.loss_scaler", "master_weights": "numerics.master_weights", "step": "numerics.step",
     "distributed": "numerics.distributed", "sharding": "numerics.sharding",
-    "scheduler_guard": "numerics.scheduler_guard", "grad_norm": "numerics.grad_norm",
+    "scheduler_guard": "numerics.scheduler_guard",
     "checkpoint_compat": "numerics.checkpoint_compat",
     "fp32_policy": "policy.policy", "fp32_mode": "policy.mode", "fp32_modules": "policy.modules",
     "fp32_ops": "policy.ops", "op_names": "policy.names", "fp32_describe": "policy.describe",
