@@ -1,10 +1,12 @@
-"""Every command the README documents, as written, is driven by a test with tiny step counts.
+"""Every command the README and the documentation pages (``docs/*.md``) give, as written, is driven by a test with
+tiny step counts.
 
-The commands are read from the README itself (fenced ``bash`` blocks and inline `` `python ...` `` commands), so a
-new or changed command fails :func:`test_every_readme_command_is_driven` until it is mapped here: either to the
-test elsewhere that already runs it (the examples, the ResNet table, the install and the suite in ``.ci/run``), or
-to the tiny arguments this file appends to run it itself (argparse keeps the last value of a repeated flag, so the
-README's own arguments are all passed and only the sizes shrink).
+The commands are read from the pages themselves (fenced ``bash`` blocks and inline `` `python ...` `` commands), so
+a new or changed command fails :func:`test_every_readme_command_is_driven` until it is mapped here: either to the
+test elsewhere that already runs it (the examples, the ResNet table, the install and the suite in ``.ci/run``, the
+wheel, the docs build), or to the tiny arguments this file appends to run it itself (argparse keeps the last value
+of a repeated flag, so the page's own arguments are all passed and only the sizes shrink). ``docs/pypi.md`` is the
+package page for an index, not a page of this repository, and is not read.
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ DRIVEN_ELSEWHERE = {
     "python examples/train_resnet.py --runs fp32 bf16 --max-steps 30":
         "tests/test_demos_resnet.py::test_example_table_with_tiny_runs",
     "python benchmarks/zoo.py": "tests/test_zoo.py::test_quick_zoo_prints_one_row_of_positive_times_and_ratios_per_model",
+    # installing into one's own project: pip builds the same wheel from the repository as from a checkout
+    'pip install "lightning-mp @ git+<repository URL>"':
+        "tests/test_packaging.py::test_first_python_block_runs_in_the_clean_environment",
+    "pip wheel . --no-deps -w dist && pip install dist/lightning_mp-*.whl":
+        "tests/test_packaging.py::test_first_python_block_runs_in_the_clean_environment",
+    'pip install -e ".[site]" && mkdocs build --strict -d build/site':
+        "tests/test_docs.py::test_the_docs_build_with_warnings_as_errors",  # + .ci/run
 }  # fmt: skip
 
 # README command -> (arguments appended to make it tiny, a line its output must contain)
@@ -70,8 +79,11 @@ RUN_HERE = {
 }  # fmt: skip
 
 
+PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "pypi.md")]
+
+
 def readme_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
+    text = "\n".join(page.read_text() for page in PAGES)
     found = []
     for block in re.findall(r"```(?:bash|sh)\n(.*?)```", text, re.S):
         found += [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
@@ -83,9 +95,9 @@ def test_every_readme_command_is_driven():
     commands = readme_commands()
     assert len(commands) >= 10  # the parser still finds the README's commands
     undriven = [c for c in commands if c not in DRIVEN_ELSEWHERE and c not in RUN_HERE]
-    assert not undriven, f"README commands no test runs (map them in {Path(__file__).name}): {undriven}"
+    assert not undriven, f"README/docs commands no test runs (map them in {Path(__file__).name}): {undriven}"
     stale = sorted((set(DRIVEN_ELSEWHERE) | set(RUN_HERE)) - set(commands))
-    assert not stale, f"mapped commands no longer in the README: {stale}"
+    assert not stale, f"mapped commands no longer in the README or docs/*.md: {stale}"
     for target in set(DRIVEN_ELSEWHERE.values()):  # the named tests exist
         path, name = target.split("::")
         module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
