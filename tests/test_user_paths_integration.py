@@ -82,7 +82,7 @@ class NormLogger(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.lightning.append({k: float(v) for k, v in lightning_grad_norm(pl_module, 2).items()})
-        self.ours.append({k: float(v) for k, v in lightning_mp.numerics.grad_norm(pl_module, 2).items()})
+        self.ours.append({k: float(v) for k, v in lightning_mp.grad_norm(pl_module, 2).items()})
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -103,7 +103,7 @@ def test_grad_norm_sees_every_parameter_and_the_true_gradients(precision):
 
 def test_grad_norm_rejects_a_bad_norm_type():
     with pytest.raises(ValueError, match=r"norm_type=-1 is not allowed"):
-        lightning_mp.numerics.grad_norm(nn.Linear(2, 2), -1)
+        lightning_mp.grad_norm(nn.Linear(2, 2), -1)
 
 
 def test_step_scheduler_pickles_and_deep_copies_while_the_skip_guard_is_on():
