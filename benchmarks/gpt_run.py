@@ -15,8 +15,8 @@ Where the precision comes from (exactly one of):
 * ``--precision NAME`` (fp32, fp16, bf16 or an alias from ``lightning_mp.PRECISION_ALIASES``; default bf16), which
   builds ``MixedPrecisionPlugin(NAME)`` with default knobs;
 * ``--precision NAME --native``: Lightning's own mixed precision as a reference, built explicitly as
-  ``MixedPrecision("16-mixed" | "bf16-mixed", device)`` (``Trainer(precision="16-mixed")`` on a CPU silently trains
-  in bf16); ``--precision fp32 --native`` is a plain FP32 Trainer.
+  ``MixedPrecision("16-mixed" | "bf16-mixed", device)`` (``Trainer(precision="16-mixed")`` on a CPU switches to bf16
+  with a warning); ``--precision fp32 --native`` is a plain FP32 Trainer.
 
 The optimizer recipe (``--model.lr``, ``--model.warmup_steps``, ``--model.lr_schedule``, ``--model.min_lr_ratio``)
 defaults to ``lightning_mp.demos.gpt.RECIPE``: AdamW at a peak lr of 1e-3 after a 40-step linear warmup, then a

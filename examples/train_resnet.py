@@ -10,7 +10,7 @@ upsampled to 16x16; the model is a ResNet-14 (width 16, BatchNorm after every co
 ``lightning_mp.demos``. Each run is its own subprocess (its own memory peak), one after the other: fp32, fp16 and
 bf16 through ``MixedPrecisionPlugin`` (with ``LossScaleMonitor`` and ``GradientRangeMonitor``), then Lightning's
 own ``16-mixed`` (an explicit ``MixedPrecision("16-mixed", "cpu")``: real FP16 with a GradScaler;
-``precision="16-mixed"`` would silently become bf16 on a CPU) and ``bf16-mixed``.
+``precision="16-mixed"`` switches to bf16 on a CPU, with a warning) and ``bf16-mixed``.
 
 Every row trains on each of ``--seeds`` (default 3: seeds 0, 1, 2; a seed sets the initialisation, the batch order
 and the augmentation), every other seed in reverse row order. Accuracy and loss are given as the mean and the

@@ -1,4 +1,4 @@
-"""The package layout as rules (docs/layout.md draws them): who may import whom, no private names across packages,
+"""The package layout as rules (docs/development.md draws them): who may import whom, no private names across packages,
 modules that fit in one sitting, and the plugins' signatures that show every knob."""
 
 import ast

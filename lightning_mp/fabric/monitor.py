@@ -28,7 +28,7 @@ class PrecisionMonitor:
 
     The tags are those of :class:`lightning_mp.LossScaleMonitor` and :class:`lightning_mp.GradientRangeMonitor`,
     so a Fabric run's TensorBoard pages look like a Trainer run's. The x-axis is the optimizer step (0, 1, ...,
-    skipped steps included: ``plugin.optimizer_steps - 1`` after the step); log the loss at the same step to line
+    skipped steps included: ``plugin.training_steps - 1`` after the step); log the loss at the same step to line
     the curves up.
 
     ===================================================  ===============================================================
@@ -107,7 +107,7 @@ class PrecisionMonitor:
     # ------------------------------------------------------------------ called by the plugin
     def before_optimizer_step(self, optimizer: Optimizer) -> None:
         """Queue the gradient measurement; the gradients are unscaled and the step not yet taken or skipped."""
-        every, step = self.grad_range_every_n_steps, self._plugin.optimizer_steps
+        every, step = self.grad_range_every_n_steps, self._plugin.training_steps
         if every is None or (step + 1) % every or not self._fabric.is_global_zero:
             return
         named = list(self._plugin.named_grads(optimizer))
@@ -119,7 +119,7 @@ class PrecisionMonitor:
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         plugin = self._plugin
-        step = plugin.optimizer_steps - 1  # the step that just ended
+        step = plugin.training_steps - 1  # the step that just ended
         metrics: dict[str, float] = {}
         if (step + 1) % self.log_every_n_steps == 0:
             metrics["precision/loss_scale"] = float(plugin.last_step_scale)

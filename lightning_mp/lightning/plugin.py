@@ -56,7 +56,7 @@ class MixedPrecisionPlugin(CoreViews, Precision):
         locate_overflows: on a skipped step, name where it went non-finite (:class:`lightning_mp.OverflowLocator`):
             the first non-finite gradient in backward order, and from then on the first module whose forward
             output went non-finite; in a log line, :attr:`last_overflow` and the ``FloatingPointError`` that stops
-            a run. A clean step costs nothing; the forward checks (5-13% of a step) are armed at the first skip.
+            a run. A clean step costs nothing; the forward checks (9-13% of a step) are armed at the first skip.
         gemm: how 16-bit matrix products run: ``"auto"`` (default) emulates them with FP32 GEMMs on the 16-bit
             values only where the device has no native 16-bit arithmetic (many CPUs do bf16 but not fp16);
             ``"native"`` always uses torch's 16-bit kernels; ``"emulated"`` always emulates.

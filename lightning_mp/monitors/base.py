@@ -16,7 +16,7 @@ from lightning_mp.lightning.plugin import MixedPrecisionPlugin
 
 class _PrecisionMonitor(Callback):
     """Find the plugin and a logger at ``fit`` setup, and track which training steps the scaler has already seen
-    (``plugin.optimizer_steps`` moves once per training step that stepped).
+    (``plugin.training_steps`` moves once per training step that stepped).
 
     Subclasses that also work without the plugin (reading only the model) set ``_requires_plugin = False``; their
     ``_plugin`` is then ``None`` in a run without it.
@@ -54,7 +54,7 @@ class _PrecisionMonitor(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # after a checkpoint restore, so a resumed run does not log the restored count as a new step
-        self._seen_steps = self._plugin.optimizer_steps if self._plugin is not None else 0
+        self._seen_steps = self._plugin.training_steps if self._plugin is not None else 0
 
 
 def _logger_step(trainer: pl.Trainer) -> int:

@@ -131,10 +131,10 @@ class GradientRangeMonitor(_PrecisionMonitor):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         plugin = self._plugin
-        if plugin is None or plugin.optimizer_steps == self._seen_steps:
+        if plugin is None or plugin.training_steps == self._seen_steps:
             self._pending.clear()  # no optimizer step happened (training_step returned None): nothing to report
             return
-        self._seen_steps = plugin.optimizer_steps
+        self._seen_steps = plugin.training_steps
         if not self._pending:
             return
         pending, self._pending = list(self._pending.values()), {}
