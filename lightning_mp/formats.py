@@ -92,3 +92,17 @@ def check_device_supports(fmt: Format, device_type: str) -> None:
             f"precision='bf16' was requested but {torch.cuda.get_device_name()} has no bfloat16 support. "
             "HINT: use precision='fp16' (with dynamic loss scaling) on this GPU."
         )
+
+
+def by_device_and_dtype(tensors) -> dict:
+    """Positions of ``tensors`` grouped by (device, dtype): the groups one fused ``torch._foreach_*`` call takes."""
+    groups: dict = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return groups
+
+
+def upcast(t):
+    """A 16-bit floating tensor as FP32 (``.float()``: differentiable, the backward casts the gradient back), any
+    other tensor as it is."""
+    return t.float() if t.dtype in HALF_DTYPES else t

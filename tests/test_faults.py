@@ -188,17 +188,6 @@ def test_nan_in_the_forward_of_a_bf16_run_never_reaches_the_weights():
         assert all(torch.isfinite(v).all() for v in row["weights"].values())
     assert snap.rows[2]["last"] and snap.rows[2]["skipped"] == 1
 
-
-def test_fsdp_strategy_refuses_the_plugin_at_construction_naming_what_to_use():
-    # FSDP in Lightning needs CUDA; the check below is the one Trainer(strategy="fsdp", plugins=[...]) runs
-    # when it hands the plugin to the strategy, before anything is set up
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    strategy = FSDPStrategy()
-    with pytest.raises(TypeError, match="FSDPPrecision"):
-        strategy.precision_plugin = MixedPrecisionPlugin("bf16")
-
-
 def test_a_device_without_autocast_fails_at_setup():
     from lightning_mp.formats import check_device_supports as _check_device_supports
     from lightning_mp.formats import resolve_precision

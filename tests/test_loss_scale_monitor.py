@@ -105,7 +105,8 @@ def test_a_trainer_without_the_plugin_is_refused_with_a_hint():
 
 def test_validate_alone_needs_neither_logger_nor_plugin():
     trainer = L.Trainer(callbacks=[LossScaleMonitor()], **trainer_kwargs())
-    trainer.validate(TinyRegressor(), regression_data())
+    (metrics,) = trainer.validate(TinyRegressor(), regression_data())
+    assert set(metrics) == {"val_loss"}  # validation ran and the monitor logged nothing of its own
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True, "10"])

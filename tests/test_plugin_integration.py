@@ -434,11 +434,17 @@ def test_model_building_fp32_tensors_inside_forward_still_trains_in_16_bits():
     class BuildsFp32(TinyRegressor):
         def forward(self, x):
             bias = torch.ones(x.shape[-1])  # FP32, made inside forward
-            return self.net(x + bias)
+            out = self.net[0](x + bias)
+            self.seen.add(out.dtype)
+            return self.net[1:](out)
 
-    model = BuildsFp32()
-    fit(model, MixedPrecisionPlugin("bf16"), max_steps=3)
-    fit(model, MixedPrecisionPlugin("fp16", **FP16_SAFE), max_steps=3)
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        model = BuildsFp32()
+        model.seen = set()
+        before = model.net[0].weight.detach().clone()
+        fit(model, MixedPrecisionPlugin(precision, **FP16_SAFE), max_steps=3)
+        assert model.seen == {dtype}  # the FP32 sum still meets a 16-bit matrix product
+        assert not torch.equal(model.net[0].weight, before)
 
 
 def test_output_head_tied_to_an_fp32_embedding_stays_fp32():

@@ -18,6 +18,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from lightning_mp.formats import by_device_and_dtype
+
 
 # autocast (and the FP32 op policy's kernels at its keys) would upcast a 16-bit tensor before a check reads it: a
 # copy per check (CUDA autocast runs ``sum`` in FP32)
@@ -82,9 +84,7 @@ def _first_non_finite(tensors: list[Tensor]) -> tuple[int, str] | None:
     overflows from elements near 1.8e19), which also gives the sign of an inf. On the CPU the 2-norm is the fast
     one: the inf-norm there is a per-tensor fallback 40x slower (4.4 ms for 1.7M FP32 elements, one AVX512 core).
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
+    groups = by_device_and_dtype(tensors)
     norms: list[Tensor] = [None] * len(tensors)  # type: ignore[list-item]
     for (_, dtype), idx in groups.items():
         kwargs = {"dtype": torch.float32} if dtype in (torch.float16, torch.bfloat16) else {}
@@ -105,9 +105,7 @@ def _host_amax(t: Tensor) -> float:
 
 def _to_host(tensors: list[Tensor]) -> list[float]:
     """0-dim tensors as Python floats: one stack and one transfer per device and dtype."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
+    groups = by_device_and_dtype(tensors)
     out = [0.0] * len(tensors)
     for idx in groups.values():
         for i, v in zip(idx, torch.stack([tensors[i] for i in idx]).double().cpu().tolist()):

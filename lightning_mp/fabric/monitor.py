@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 from lightning_mp.fabric.plugin import MixedPrecisionPlugin
 from lightning_mp.monitors.gradient_range import TAG_HISTOGRAM
 from lightning_mp.doctor.log2_histogram import measure_on_device, Pending, unpack, histogram_kwargs, reference_scale
+from lightning_mp.validation import check_bool, check_int
 from lightning_mp.monitors.base import histogram_writers, no_histogram_message
 
 
@@ -68,15 +69,9 @@ class PrecisionMonitor:
         grad_range_every_n_steps: int | None = 50,
         per_param: bool = False,
     ) -> None:
-        intervals = (("log_every_n_steps", log_every_n_steps), ("grad_range_every_n_steps", grad_range_every_n_steps))
-        for name, value in intervals:
-            if name == "grad_range_every_n_steps" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                allowed = "an integer >= 1" + (" or None (never)" if name == "grad_range_every_n_steps" else "")
-                raise ValueError(f"{name}={value!r} is not allowed: use {allowed}.")
-        if not isinstance(per_param, bool):
-            raise ValueError(f"per_param={per_param!r} is not allowed: use True or False.")
+        check_int("log_every_n_steps", log_every_n_steps, low=1)
+        check_int("grad_range_every_n_steps", grad_range_every_n_steps, low=1, allow_none="never")
+        check_bool("per_param", per_param)
         plugin = getattr(getattr(fabric, "strategy", None), "precision", None)
         if not isinstance(plugin, MixedPrecisionPlugin):
             raise ValueError(

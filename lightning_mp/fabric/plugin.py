@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp.core import CoreViews, MixedPrecisionCore
-from lightning_mp.formats import HALF_DTYPES
+from lightning_mp.formats import upcast
 from lightning_mp.numerics.checkpoint_compat import is_gradscaler_state, take_gradscaler_state
 from lightning_mp.numerics.distributed import world_size
 from lightning_mp.numerics.loss_scaler import ScalerSettings
@@ -163,7 +163,7 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
     def convert_output(self, data: Any) -> Any:
         if not self.core.format.is_16bit:
             return data
-        return apply_to_collection(data, function=_to_fp32, dtype=Tensor)
+        return apply_to_collection(data, function=upcast, dtype=Tensor)
 
     # ------------------------------------------------------------------ backward
     @override
@@ -232,9 +232,6 @@ def _zero_grad_tensor(optimizer: Optimizer) -> Tensor:
     t.grad = torch.zeros_like(t)
     return t
 
-
-def _to_fp32(t: Tensor) -> Tensor:
-    return t.float() if t.dtype in HALF_DTYPES else t
 
 
 __all__ = ["MixedPrecisionPlugin"]

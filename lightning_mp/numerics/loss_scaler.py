@@ -3,7 +3,8 @@
 Why scale at all: real gradients span roughly 1e-9 .. 1e-3, FP16 only reaches 2^-24 (subnormal) / 2^-14
 (normal), so small gradients flush to zero in the backward pass. Multiplying the loss by ``scale`` shifts the
 whole gradient distribution up by log2(scale) octaves; dividing the FP32 master gradients by the same factor
-afterwards restores them exactly (the scales used are powers of two, so the division is exact).
+afterwards restores them (exactly while the scale is a power of two, as with the default knobs; other values of
+``init_scale``, ``growth_factor`` or ``backoff_factor`` round once more in FP32).
 
 The state machine (Megatron's meaning of hysteresis):
 
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_mp.formats import by_device_and_dtype
 from lightning_mp.validation import check_int, check_number
 
 DEFAULT_INIT_SCALE = 2.0**16
@@ -154,7 +156,7 @@ class LossScaler:
 
     @property
     def enabled(self) -> bool:
-        """Whether the loss is multiplied at all (a scale of exactly 1 is not applied)."""
+        """Whether the loss is multiplied at all: ``False`` only with ``loss_scale=None`` (no scaling)."""
         return self.mode is not None
 
     def scale_loss(self, loss: Tensor) -> Tensor:
@@ -167,18 +169,15 @@ class LossScaler:
         One fused pass per (device, dtype) group: torch's ``_amp_foreach_non_finite_check_and_unscale_`` reads
         each element once, multiplies it by 1/scale and raises the flag on inf/NaN, with no host sync. Call it
         on the FP32 gradients: unscaling in 16 bits would push small gradients back under FP16's floor.
-        With scaling off it still runs (multiplying by 1.0 is exact) because the check is what keeps a single
-        NaN from corrupting the weights in bf16 and fp32 runs too.
+        Only with scaling on: without it the step checks read-only (``numerics.grad_layout.non_finite_flag``).
         """
         if not grads:
             return torch.zeros(())
         device = grads[0].device
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
         inv = self._inv_scale_on(device)
-        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-        for g in grads:
-            groups.setdefault((g.device, g.dtype), []).append(g)
-        for (dev, _), group in groups.items():
+        for (dev, _), idx in by_device_and_dtype(grads).items():
+            group = [grads[i] for i in idx]
             flag = found_inf if dev == device else torch.zeros((), dtype=torch.float32, device=dev)
             torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv.to(dev))
             if flag is not found_inf:

@@ -7,7 +7,7 @@ the training step it follows was skipped.
 
 Mechanism: the scheduler's class is swapped for a subclass whose ``step`` checks the flag, and swapped back at
 teardown. A subclass, not a wrapper object, so ``isinstance`` checks, ``state_dict()`` (which copies the
-instance ``__dict__``) and Lightning's own scheduler handling see the scheduler exactly as before.
+instance ``__dict__``) and Lightning's own scheduler handling see the same object with the same state.
 """
 
 from __future__ import annotations

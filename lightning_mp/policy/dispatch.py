@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch._C import DispatchKey, DispatchKeySet
 
-from lightning_mp.formats import HALF_DTYPES
+from lightning_mp.formats import HALF_DTYPES, upcast
 from lightning_mp.policy.aten import BATCH_NORM, SET_DTYPE, Rule
 from lightning_mp.policy.mode import _native_mixed_batch_norm
 
@@ -55,10 +55,9 @@ _FP32 = torch.float32
 
 
 def _up(obj: Any) -> Any:
-    """A 16-bit floating tensor as FP32 (also inside a Tensor[] list); everything else as it is. ``.float()`` is
-    differentiable: the backward casts the gradient back to the input's dtype."""
+    """A 16-bit floating tensor as FP32 (also inside a Tensor[] list); everything else as it is."""
     if isinstance(obj, torch.Tensor):
-        return obj.float() if obj.dtype in HALF_DTYPES else obj
+        return upcast(obj)
     if isinstance(obj, (list, tuple)) and any(isinstance(item, torch.Tensor) for item in obj):
         return type(obj)(_up(item) for item in obj)
     return obj

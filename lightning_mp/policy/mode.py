@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from lightning_mp.formats import HALF_DTYPES
+from lightning_mp.formats import HALF_DTYPES, upcast
 
 # --------------------------------------------------------------------------------------
 # Upcasting and autocast toggling (shared by the op mode and the module hooks).
@@ -58,8 +58,7 @@ def _to_fp32(obj: Any, devices: set[str] | None) -> Any:
         if devices is not None:
             # is_cpu is a flag read; building device.type allocates, so only for non-CPU.
             devices.add("cpu" if obj.is_cpu else obj.device.type)
-        # .float() is differentiable: the backward casts the gradient back to 16 bits.
-        return obj.float() if obj.dtype in HALF_DTYPES else obj
+        return upcast(obj)
     if isinstance(obj, (tuple, list)):
         return _to_fp32_seq(obj, devices)
     if isinstance(obj, dict):
