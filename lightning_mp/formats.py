@@ -33,6 +33,24 @@ PRECISION_ALIASES: dict[str, str] = {
 }
 
 
+# spellings users bring from Lightning or torch, answered with what to write instead
+_HINTS = {
+    "bf16-true": " HINT: 'bf16-true' keeps the weights themselves in bf16 (updates below a bf16 ulp are lost); "
+    "write 'bf16' for bf16 compute on FP32 masters, or pass precision='bf16-true' to the Trainer without this plugin.",
+    "16-true": " HINT: '16-true' keeps the weights themselves in fp16; write 'fp16' for fp16 compute on FP32 masters "
+    "with dynamic loss scaling.",
+    "bfloat16": " HINT: write 'bf16'.",
+    "float16": " HINT: write 'fp16'.",
+    "half": " HINT: write 'fp16'.",
+    "float32": " HINT: write 'fp32'.",
+    "64": " HINT: float64 parameters train as they are under 'bf16' or 'fp16'; for float64 compute use no plugin.",
+    "transformer-engine": " HINT: FP8 through Transformer Engine is Lightning's own "
+    "`TransformerEnginePrecision`; this plugin computes in fp16 or bf16.",
+    "transformer-engine-float16": " HINT: FP8 through Transformer Engine is Lightning's own "
+    "`TransformerEnginePrecision`; this plugin computes in fp16 or bf16.",
+}
+
+
 @dataclass(frozen=True)
 class Format:
     """A compute format and the limits that matter for mixed precision."""
@@ -72,7 +90,8 @@ def resolve_precision(precision: object) -> Format:
     key = str(precision).strip().lower() if isinstance(precision, (str, int)) else None
     if key not in PRECISION_ALIASES or isinstance(precision, bool):
         allowed = ", ".join(repr(k) for k in PRECISION_ALIASES)
-        raise ValueError(f"precision={precision!r} is not supported. Allowed: {allowed}.")
+        hint = _HINTS.get(key or "", "")
+        raise ValueError(f"precision={precision!r} is not supported. Allowed: {allowed}.{hint}")
     name = PRECISION_ALIASES[key]
     dtype, lightning_precision, default_loss_scale = _FORMATS[name]
     return Format(name, dtype, lightning_precision, default_loss_scale)

@@ -118,3 +118,20 @@ def test_bf16_on_cuda_without_bf16_support_would_fail_clearly(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "an old GPU")
     with pytest.raises(RuntimeError, match=r"an old GPU has no bfloat16.*precision='fp16'"):
         _check_device_supports(resolve_precision("bf16"), "cuda")
+
+
+@pytest.mark.parametrize(
+    "spelling, hint",
+    [("bf16-true", "write 'bf16'"), ("16-true", "write 'fp16'"), ("bfloat16", "write 'bf16'"),
+     ("transformer-engine", "TransformerEnginePrecision"), ("64", "float64 parameters train as they are")],
+)  # fmt: skip
+def test_precision_spellings_from_lightning_and_torch_get_what_to_write_instead(spelling, hint):
+    with pytest.raises(ValueError, match=rf"precision='{spelling}' is not supported.*HINT:.*{hint}"):
+        MixedPrecisionPlugin(spelling)
+
+
+def test_both_precision_and_the_plugin_name_the_plugin_in_lightnings_error():
+    import lightning as L
+
+    with pytest.raises(ValueError, match=r"Received both `precision=bf16-mixed` and `plugins=MixedPrecisionPlugin\('bf16'\)`"):
+        L.Trainer(precision="bf16-mixed", plugins=[MixedPrecisionPlugin("bf16")], accelerator="cpu")
