@@ -229,6 +229,8 @@ class MasterWeights:
             d[name] = c
 
     def _uninstall(self, module: nn.Module, args, output) -> None:
+        if torch.compiler.is_compiling():
+            return  # nothing was installed (see _install)
         key = id(module)
         depth = self._depth.get(key, 0)
         if depth > 1:
