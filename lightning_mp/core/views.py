@@ -2,25 +2,68 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.core.run import MixedPrecisionCore
 from lightning_mp.doctor.report import OverflowReport
 from lightning_mp.formats import Format
 from lightning_mp.gemm.emulation import GemmEmulation
-from lightning_mp.numerics.loss_scaler import LossScaler
+from lightning_mp.numerics.loss_scaler import LossScaler, ScalerSettings
 from lightning_mp.numerics.step import MixedPrecisionStep
+from lightning_mp.policy.ops import DEFAULT_FP32_MODULES, DEFAULT_FP32_OPS
 from lightning_mp.policy.policy import Fp32Policy
+
+_S = ScalerSettings  # the scaler's knobs and their defaults are declared once, there
 
 
 class CoreViews:
-    """The read-only state both front ends show, read from their ``core``."""
+    """What both front ends share: the constructor (one signature, every knob by name; the scaler's knobs and
+    defaults come from :class:`~lightning_mp.numerics.loss_scaler.ScalerSettings`) and the read-only state, read
+    from their ``core``."""
 
     core: MixedPrecisionCore
+
+    def __init__(
+        self,
+        precision: str = "bf16",
+        *,
+        master_weights: bool | None = None,
+        loss_scale: str | float | None = "auto",
+        fp32_ops: Iterable[str | Callable] = DEFAULT_FP32_OPS,
+        fp32_modules: Sequence[type[nn.Module]] = DEFAULT_FP32_MODULES,
+        skip_scheduler_on_overflow: bool = True,
+        check_finite: bool = True,
+        locate_overflows: bool = True,
+        gemm: str = "auto",
+        init_scale: float = _S.init_scale,
+        growth_factor: float = _S.growth_factor,
+        backoff_factor: float = _S.backoff_factor,
+        growth_interval: int = _S.growth_interval,
+        hysteresis: int = _S.hysteresis,
+        min_scale: float = _S.min_scale,
+        max_scale: float = _S.max_scale,
+        max_consecutive_skips: int = _S.max_consecutive_skips,
+    ) -> None:
+        self.core = MixedPrecisionCore(
+            precision, master_weights=master_weights, loss_scale=loss_scale, fp32_ops=fp32_ops,
+            fp32_modules=fp32_modules, skip_scheduler_on_overflow=skip_scheduler_on_overflow,
+            check_finite=check_finite, locate_overflows=locate_overflows, gemm=gemm,
+            scaler=ScalerSettings(
+                init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
+                max_consecutive_skips=max_consecutive_skips,
+            ),
+        )  # fmt: skip
+        self.precision = self.core.format.lightning_precision  # what Lightning's Trainer.precision reports
+        self._set_up_front_end()
+
+    def _set_up_front_end(self) -> None:
+        """The front end's own state (called at the end of ``__init__``)."""
+        pass
 
     @property
     def loss_scale(self) -> float:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import torch
@@ -44,10 +44,7 @@ from lightning_mp.core import CoreViews, MixedPrecisionCore
 from lightning_mp.formats import upcast
 from lightning_mp.numerics.checkpoint_compat import is_gradscaler_state, take_gradscaler_state
 from lightning_mp.numerics.distributed import world_size
-from lightning_mp.numerics.loss_scaler import ScalerSettings
-from lightning_mp.policy.ops import DEFAULT_FP32_MODULES, DEFAULT_FP32_OPS
 
-_S = ScalerSettings  # the scaler's knobs and their defaults are declared once, there
 
 
 class MixedPrecisionPlugin(CoreViews, FabricPrecision):
@@ -74,38 +71,7 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
       average each micro-batch's 16-bit gradients, not the FP32 ones once per step).
     """
 
-    def __init__(
-        self,
-        precision: str = "bf16",
-        *,
-        master_weights: bool | None = None,
-        loss_scale: str | float | None = "auto",
-        fp32_ops: Iterable[str | Callable] = DEFAULT_FP32_OPS,
-        fp32_modules: Sequence[type[nn.Module]] = DEFAULT_FP32_MODULES,
-        skip_scheduler_on_overflow: bool = True,
-        check_finite: bool = True,
-        locate_overflows: bool = True,
-        gemm: str = "auto",
-        init_scale: float = _S.init_scale,
-        growth_factor: float = _S.growth_factor,
-        backoff_factor: float = _S.backoff_factor,
-        growth_interval: int = _S.growth_interval,
-        hysteresis: int = _S.hysteresis,
-        min_scale: float = _S.min_scale,
-        max_scale: float = _S.max_scale,
-        max_consecutive_skips: int = _S.max_consecutive_skips,
-    ) -> None:
-        self.core = MixedPrecisionCore(
-            precision, master_weights=master_weights, loss_scale=loss_scale, fp32_ops=fp32_ops,
-            fp32_modules=fp32_modules, skip_scheduler_on_overflow=skip_scheduler_on_overflow,
-            check_finite=check_finite, locate_overflows=locate_overflows, gemm=gemm,
-            scaler=ScalerSettings(
-                init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
-                max_consecutive_skips=max_consecutive_skips,
-            ),
-        )  # fmt: skip
-        self.precision = self.core.format.lightning_precision
+    def _set_up_front_end(self) -> None:
         self._pending: list[nn.Module] = []  # converted modules whose device set-up waits for the first forward
         self._listeners: list[Any] = []  # PrecisionMonitor objects, told about every optimizer step
         self._force_refresh = True  # the next forward refreshes every trainable copy (set by optimizer steps)

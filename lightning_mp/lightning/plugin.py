@@ -10,7 +10,7 @@ step however many optimizers stepped, ``core.end_training_step`` (manual optimiz
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator
 from typing import Any, Callable
 
 from lightning.pytorch import LightningModule
@@ -21,13 +21,10 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from lightning_mp.core import CoreViews, MixedPrecisionCore
+from lightning_mp.core import CoreViews
 from lightning_mp.numerics.checkpoint_compat import gradscaler_state, is_gradscaler_state, take_gradscaler_state
-from lightning_mp.numerics.loss_scaler import ScalerSettings
 from lightning_mp.numerics.sharding import fsdp_mp_policy
-from lightning_mp.policy.ops import DEFAULT_FP32_MODULES, DEFAULT_FP32_OPS
 
-_S = ScalerSettings  # the scaler's knobs and their defaults are declared once, there
 
 
 class MixedPrecisionPlugin(CoreViews, Precision):
@@ -62,39 +59,7 @@ class MixedPrecisionPlugin(CoreViews, Precision):
             ``"native"`` always uses torch's 16-bit kernels; ``"emulated"`` always emulates.
     """
 
-    def __init__(
-        self,
-        precision: str = "bf16",
-        *,
-        master_weights: bool | None = None,
-        loss_scale: str | float | None = "auto",
-        fp32_ops: Iterable[str | Callable] = DEFAULT_FP32_OPS,
-        fp32_modules: Sequence[type[nn.Module]] = DEFAULT_FP32_MODULES,
-        skip_scheduler_on_overflow: bool = True,
-        check_finite: bool = True,
-        locate_overflows: bool = True,
-        gemm: str = "auto",
-        init_scale: float = _S.init_scale,
-        growth_factor: float = _S.growth_factor,
-        backoff_factor: float = _S.backoff_factor,
-        growth_interval: int = _S.growth_interval,
-        hysteresis: int = _S.hysteresis,
-        min_scale: float = _S.min_scale,
-        max_scale: float = _S.max_scale,
-        max_consecutive_skips: int = _S.max_consecutive_skips,
-    ) -> None:
-        super().__init__()
-        self.core = MixedPrecisionCore(
-            precision, master_weights=master_weights, loss_scale=loss_scale, fp32_ops=fp32_ops,
-            fp32_modules=fp32_modules, skip_scheduler_on_overflow=skip_scheduler_on_overflow,
-            check_finite=check_finite, locate_overflows=locate_overflows, gemm=gemm,
-            scaler=ScalerSettings(
-                init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
-                max_consecutive_skips=max_consecutive_skips,
-            ),
-        )  # fmt: skip
-        self.precision = self.core.format.lightning_precision  # what Lightning's Trainer.precision reports
+    def _set_up_front_end(self) -> None:
         self._lightning_module: LightningModule | None = None
 
     def fsdp_mp_policy(self):

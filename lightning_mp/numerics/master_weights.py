@@ -37,13 +37,11 @@ bf16 base costs 2 B/param, as under ``bf16-true``) until they are unfrozen. floa
 parameters keep their dtype and train as under Lightning's own plugin. ``nn.Embedding(max_norm=...)`` renormalises
 its weight in place inside ``forward``, so it reads its FP32 Parameter, as under autocast.
 
-Memory and allocations per converted parameter: 4 B FP32 parameter + 2 B 16-bit copy + 4 B FP32 gradient +
-optimizer state. The copies and the FP32 gradients are views of one flat buffer per device each, allocated when
-the parameter set is built (again only when it changes: lazy parameters materialized, a parameter unfrozen,
-replaced, or moved), so a steady-state step allocates nothing here: the refresh writes into the 16-bit buffer and
-the fold into the FP32 one (at 16.8M parameters a fresh buffer costs 3-5x the copy itself: the kernel zeroes new
-pages). Lightning's ``bf16-mixed`` holds the same 2 B/param of 16-bit weights from the forward to the backward
-(autograd saves autocast's casts); here they also persist between steps.
+Memory per converted parameter: 4 B FP32 parameter + 2 B 16-bit copy + 4 B FP32 gradient + optimizer state. Copies
+and FP32 gradients are views of one flat buffer per device each, allocated when the parameter set is built or
+changes (lazy parameters materialized, one unfrozen, replaced or moved): a steady step allocates nothing (at 16.8M
+parameters fresh buffers cost 3-5x the copy itself: the kernel zeroes new pages). ``bf16-mixed`` holds the same
+2 B/param from the forward to the backward (autocast's saved casts).
 """
 
 from __future__ import annotations
@@ -229,8 +227,8 @@ class MasterWeights:
             d[name] = c
 
     def _uninstall(self, module: nn.Module, args, output) -> None:
-        if torch.compiler.is_compiling():
-            return  # nothing was installed (see _install)
+        if torch.compiler.is_compiling():  # nothing was installed (see _install)
+            return
         key = id(module)
         depth = self._depth.get(key, 0)
         if depth > 1:
