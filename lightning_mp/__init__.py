@@ -7,7 +7,7 @@ Packages: ``numerics`` (Trainer-free numerics), ``policy`` (the FP32 policy), ``
 ``fabric``, and ``monitors`` (TensorBoard callbacks).
 """
 
-from lightning_mp import _compat
+from lightning_mp import _compat, _logging
 from lightning_mp.doctor.locator import OverflowLocator
 from lightning_mp.doctor.report import OverflowReport
 from lightning_mp.formats import PRECISION_ALIASES, Format, resolve_precision
@@ -30,6 +30,7 @@ from lightning_mp.policy.policy import Fp32Policy
 __version__ = "0.2.0.dev0"
 
 _compat.install()
+_logging.install()
 
 __all__ = [
     "ActivationRangeMonitor",

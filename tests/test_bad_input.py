@@ -135,3 +135,18 @@ def test_both_precision_and_the_plugin_name_the_plugin_in_lightnings_error():
 
     with pytest.raises(ValueError, match=r"Received both `precision=bf16-mixed` and `plugins=MixedPrecisionPlugin\('bf16'\)`"):
         L.Trainer(precision="bf16-mixed", plugins=[MixedPrecisionPlugin("bf16")], accelerator="cpu")
+
+
+@pytest.mark.parametrize("front_end", ["trainer", "fabric"])
+@pytest.mark.parametrize(
+    "kwargs, hint",
+    [({"device": "cuda"}, r"device='cuda' is not an argument .*HINT: the device is the Trainer's or Fabric's"),
+     ({"scaler": None}, r"scaler=None is not an argument .*HINT: .*set loss_scale=.*init_scale=")],
+)  # fmt: skip
+def test_lightnings_mixed_precision_arguments_get_what_to_write_instead(front_end, kwargs, hint):
+    # a user porting MixedPrecision("16-mixed", device="cuda", scaler=GradScaler()) gets told what each becomes
+    from lightning_mp.fabric import MixedPrecisionPlugin as FabricMixedPrecisionPlugin
+
+    cls = MixedPrecisionPlugin if front_end == "trainer" else FabricMixedPrecisionPlugin
+    with pytest.raises(ValueError, match=hint):
+        cls("fp16", **kwargs)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +21,15 @@ from lightning_mp.policy.policy import Fp32Policy
 
 _S = ScalerSettings  # the scaler's knobs and their defaults are declared once, there
 
+# Arguments of Lightning's own precision plugins (``MixedPrecision(precision, device, scaler)``) that have no place
+# here, and what to write instead.
+_FOREIGN_ARGUMENTS = {
+    "device": "the device is the Trainer's or Fabric's (accelerator='cuda' / 'cpu'): drop device=",
+    "scaler": "the loss scaler is built in (no torch.amp.GradScaler): drop scaler= and set loss_scale= "
+    "('dynamic', a number or None) and the scaler's knobs (init_scale=, growth_factor=, backoff_factor=, "
+    "growth_interval=, hysteresis=, min_scale=, max_scale=) by name",
+}
+
 
 class CoreViews:
     """What both front ends share: the constructor (one signature, every knob by name; the scaler's knobs and
@@ -26,6 +37,21 @@ class CoreViews:
     from their ``core``."""
 
     core: MixedPrecisionCore
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Lightning's MixedPrecision(precision, device, scaler) arguments get a hint instead of Python's bare
+        # "unexpected keyword argument"; everything else is __init__'s (whose signature __signature__ shows)
+        for name, hint in _FOREIGN_ARGUMENTS.items():
+            if name in kwargs:
+                raise ValueError(
+                    f"{name}={kwargs[name]!r} is not an argument of {cls.__name__} (it is one of Lightning's "
+                    f"MixedPrecision). HINT: {hint}."
+                )
+        return super().__new__(cls)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.__signature__ = _init_signature(cls)
 
     def __init__(
         self,
@@ -167,3 +193,12 @@ class CoreViews:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.core.format.name!r})"
+
+
+def _init_signature(cls: type) -> inspect.Signature:
+    """The class's call signature is its ``__init__``'s less ``self`` (``__new__`` only screens arguments)."""
+    sig = inspect.signature(cls.__init__)
+    return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+
+CoreViews.__signature__ = _init_signature(CoreViews)
