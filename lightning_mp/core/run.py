@@ -37,6 +37,7 @@ from lightning_mp.numerics.master_weights import MasterWeights
 from lightning_mp.numerics.scheduler_guard import SchedulerGuard
 from lightning_mp.numerics.sharding import is_sharded
 from lightning_mp.numerics.step import MixedPrecisionStep
+from lightning_mp.policy.autopilot import Autopilot, split_auto
 from lightning_mp.policy.policy import Fp32Policy
 from lightning_mp.validation import check_bool
 
@@ -56,7 +57,8 @@ class MixedPrecisionCore:
         master_weights: bool | None,
         loss_scale: str | float | None,
         fp32_ops: Iterable[Any],
-        fp32_modules: Sequence[type[nn.Module]],
+        fp32_modules: str | Sequence[type[nn.Module] | str],
+        calibration_steps: int,
         skip_scheduler_on_overflow: bool,
         check_finite: bool,
         locate_overflows: bool,
@@ -76,7 +78,9 @@ class MixedPrecisionCore:
         if loss_scale == "auto":
             loss_scale = self.format.default_loss_scale
         self.scaler = LossScaler.from_settings(loss_scale, scaler)
-        self.policy = Fp32Policy(fp32_ops, fp32_modules)
+        classes, auto = split_auto(fp32_modules)
+        self.policy = Fp32Policy(fp32_ops, classes)
+        self.autopilot = Autopilot(self.format, calibration_steps, self.policy.keeps_fp32) if auto else None
         self.gemm = GemmEmulation(gemm)
         self.step = MixedPrecisionStep(self.scaler, check_finite=check_finite, fp32_grads=self.master_weights)
         self.masters: MasterWeights | None = None
@@ -93,7 +97,7 @@ class MixedPrecisionCore:
         self.sharded = is_sharded(module)
         if self.master_weights and not self.sharded:
             if self.masters is None:
-                self.masters = MasterWeights(self.format.dtype, keep_fp32=self.policy.keeps_fp32)
+                self.masters = MasterWeights(self.format.dtype, keep_fp32=self._keeps_fp32)
             self.masters.convert(module)
         return module
 
@@ -135,6 +139,9 @@ class MixedPrecisionCore:
             # checkpointing's recomputation (which replays autocast state) follow it too
             self._handles.append(self.policy.activate(on=policy_on))
             self._handles.append(self.policy.install(model, self.device_type))
+            if self.autopilot is not None:
+                self.autopilot.attach(root, self.device_type)
+                self._handles.append(self.autopilot)
         if self.locate_overflows:
             # nothing on a clean step; a skip names the first non-finite gradient in backward order (parameter-free
             # modules by the nearest parameter the overflow reaches) and arms the forward checks
@@ -163,6 +170,8 @@ class MixedPrecisionCore:
     def begin(self, force: bool) -> None:
         """A forward follows: the copies are refreshed at the first hooked module (``force``: every trainable one,
         since a write through ``.data`` moves no version counter)."""
+        if self.autopilot is not None and self.autopilot.pending and self.autopilot.apply() and self.masters is not None:
+            self.masters.rebuild()  # the moved modules' parameters keep no 16-bit copy from now on
         if self.masters is not None:
             self.masters.begin(force)
 
@@ -213,6 +222,10 @@ class MixedPrecisionCore:
             if rank_zero:
                 where = f": {report}" if report is not None else ""
                 log.warning(f"step {step} skipped (loss scale {self.scaler.scale:g}){where}")
+            if self.autopilot is not None and report is not None and report.phase == "forward":
+                self.autopilot.demote(report.module, f"the step overflowed there: {report}", step)
+        if self.autopilot is not None and self.step.in_progress:
+            self.autopilot.end_step()
         try:
             self.step.end_training_step(step)
         except FloatingPointError as err:
@@ -262,30 +275,26 @@ class MixedPrecisionCore:
             if p.grad is not None and (allowed is None or id(p) in allowed):
                 yield name, p.grad
 
-    def describe(self) -> str:
-        """A Markdown summary of the settings and the FP32 policy."""
-        s = self.scaler
-        lines = [
-            f"precision: {self.format.name} (compute dtype {self.format.dtype}); master weights: "
-            f"{'FP32 parameters, 16-bit copies read by the forward' if self.master_weights else 'no (autocast only)'}",
-            f"loss scale: {s.mode!r}, current {s.scale:g}",
-        ]
-        if s.dynamic:
-            lines.append(
-                f"  growth x{s.growth_factor:g} every {s.growth_interval} clean steps, backoff x{s.backoff_factor:g}, "
-                f"hysteresis {s.hysteresis}, range [{s.min_scale:g}, 2^{_log2(s.max_scale)}]"
+    def state_dict(self) -> dict[str, Any]:
+        """The plugin's checkpoint state: the format, the scaler, and the autopilot's decisions."""
+        state = {"precision": self.format.name, **self.step.state_dict()}
+        if self.autopilot is not None:
+            state["auto_fp32_modules"] = self.autopilot.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step.load_state_dict(state)
+        if self.autopilot is not None and "auto_fp32_modules" in state:
+            self.autopilot.load_state_dict(state["auto_fp32_modules"])
+        elif state.get("auto_fp32_modules", {}).get("modules"):
+            log.warning(
+                f"The checkpoint's run moved {state['auto_fp32_modules']['modules']} to FP32 (fp32_modules='auto'); "
+                "this plugin does not, so the resumed run computes differently. HINT: resume with fp32_modules='auto'."
             )
-        guard = "on (one host sync per step)" if self.check_finite or s.enabled else "off (no sync, no extra pass)"
-        lines.append(f"non-finite guard: {guard}; stop after {s.max_consecutive_skips} skipped steps in a row")
-        if self.format.is_16bit:
-            lines.append(self.gemm.describe())
-        return "\n".join(lines) + "\n\n" + self.policy.describe()
+
+    def _keeps_fp32(self, module: nn.Module) -> bool:
+        return self.policy.keeps_fp32(module) or (self.autopilot is not None and self.autopilot.keeps(module))
 
 
 def _no_ddp_grad_sync(ddp: nn.Module, args: Any) -> None:
     ddp.require_backward_grad_sync = False
-
-
-def _log2(x: float) -> str:
-    exponent = torch.tensor(x).log2().item()
-    return f"{exponent:g}" if exponent == int(exponent) else f"{exponent:.3g}"

@@ -60,7 +60,8 @@ class CoreViews:
         master_weights: bool | None = None,
         loss_scale: str | float | None = "auto",
         fp32_ops: Iterable[str | Callable] = DEFAULT_FP32_OPS,
-        fp32_modules: Sequence[type[nn.Module]] = DEFAULT_FP32_MODULES,
+        fp32_modules: str | Sequence[type[nn.Module] | str] = DEFAULT_FP32_MODULES,
+        calibration_steps: int = 10,
         skip_scheduler_on_overflow: bool = True,
         check_finite: bool = True,
         locate_overflows: bool = True,
@@ -76,7 +77,7 @@ class CoreViews:
     ) -> None:
         self.core = MixedPrecisionCore(
             precision, master_weights=master_weights, loss_scale=loss_scale, fp32_ops=fp32_ops,
-            fp32_modules=fp32_modules, skip_scheduler_on_overflow=skip_scheduler_on_overflow,
+            fp32_modules=fp32_modules, calibration_steps=calibration_steps, skip_scheduler_on_overflow=skip_scheduler_on_overflow,
             check_finite=check_finite, locate_overflows=locate_overflows, gemm=gemm,
             scaler=ScalerSettings(
                 init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
@@ -126,6 +127,12 @@ class CoreViews:
         """Where the most recent skipped step went non-finite (``None`` before any skip, with
         ``locate_overflows=False``, or when no gradient or watched output was non-finite)."""
         return self.core.last_overflow
+
+    @property
+    def auto_fp32_modules(self) -> list[str]:
+        """With ``fp32_modules="auto"``: qualified names of the module instances moved to FP32, in the order decided
+        (each decision is also a log line with its evidence, and in :meth:`describe`); ``[]`` otherwise."""
+        return self.core.autopilot.modules if self.core.autopilot is not None else []
 
     @property
     def step(self) -> MixedPrecisionStep:
@@ -189,7 +196,24 @@ class CoreViews:
 
     def describe(self) -> str:
         """A Markdown summary of this plugin's settings and its FP32 policy."""
-        return self.core.describe()
+        s = self.core.scaler
+        lines = [
+            f"precision: {self.format.name} (compute dtype {self.format.dtype}); master weights: "
+            f"{'FP32 parameters, 16-bit copies read by the forward' if self.master_weights else 'no (autocast only)'}",
+            f"loss scale: {s.mode!r}, current {s.scale:g}",
+        ]
+        if s.dynamic:
+            lines.append(
+                f"  growth x{s.growth_factor:g} every {s.growth_interval} clean steps, backoff x{s.backoff_factor:g}, "
+                f"hysteresis {s.hysteresis}, range [{s.min_scale:g}, 2^{_log2(s.max_scale)}]"
+            )
+        guard = "on (one host sync per step)" if self.check_finite or s.enabled else "off (no sync, no extra pass)"
+        lines.append(f"non-finite guard: {guard}; stop after {s.max_consecutive_skips} skipped steps in a row")
+        if self.format.is_16bit:
+            lines.append(self.gemm.describe())
+        if self.core.autopilot is not None:
+            lines.append(self.core.autopilot.describe())
+        return "\n".join(lines) + "\n\n" + self.policy.describe()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.core.format.name!r})"
@@ -202,3 +226,8 @@ def _init_signature(cls: type) -> inspect.Signature:
 
 
 CoreViews.__signature__ = _init_signature(CoreViews)
+
+
+def _log2(x: float) -> str:
+    exponent = torch.tensor(x).log2().item()
+    return f"{exponent:g}" if exponent == int(exponent) else f"{exponent:.3g}"

@@ -182,14 +182,14 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
     # ------------------------------------------------------------------ checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"precision": self.core.format.name, **self.core.step.state_dict()}
+        return self.core.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if is_gradscaler_state(state_dict):  # Fabric's own MixedPrecision("16-mixed") saved its GradScaler
             take_gradscaler_state(self.core.scaler, state_dict)
         else:
-            self.core.step.load_state_dict(state_dict)
+            self.core.load_state_dict(state_dict)
 
 
 def _zero_grad_tensor(optimizer: Optimizer) -> Tensor:

@@ -45,7 +45,12 @@ class MixedPrecisionPlugin(CoreViews, Precision):
         fp32_ops: ops that always compute in FP32 under autocast (names or torch callables), default
             :data:`lightning_mp.DEFAULT_FP32_OPS`; kernels at torch's autocast dispatch keys for the whole fit.
         fp32_modules: module classes whose whole subtree (parameters and forward, children included) stays FP32,
-            default :data:`lightning_mp.DEFAULT_FP32_MODULES` (norm, recurrent and embedding layers).
+            default :data:`lightning_mp.DEFAULT_FP32_MODULES` (norm, recurrent and embedding layers). ``"auto"``:
+            those, plus the module *instances* the precision autopilot moves to FP32 when their outputs near the
+            format's largest value while calibrating, or overflow later (:attr:`auto_fp32_modules`,
+            ``docs/policy.md``); a tuple with ``"auto"`` in it: its classes plus the autopilot.
+        calibration_steps: with ``fp32_modules="auto"``, the first training steps whose activations are measured
+            (default 10; each costs about what the locator's forward checks do, 9-13% of a step).
         skip_scheduler_on_overflow: ``interval="step"`` learning-rate schedulers do not advance on a skipped step.
         check_finite: check the gradients for inf/NaN before every optimizer step and skip such steps, also when
             the loss is not scaled (bf16, fp32): one fused read of the gradients and one device->host sync per
@@ -191,14 +196,14 @@ class MixedPrecisionPlugin(CoreViews, Precision):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"precision": self.core.format.name, **self.core.step.state_dict()}
+        return self.core.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if is_gradscaler_state(state_dict):  # Lightning's deprecated alias of 16-mixed, under our key
             take_gradscaler_state(self.core.scaler, state_dict)
         else:
-            self.core.step.load_state_dict(state_dict)
+            self.core.load_state_dict(state_dict)
 
 
 def _find_lightning_module(model: nn.Module) -> LightningModule | None:

@@ -27,6 +27,7 @@ class _PrecisionMonitor(Callback):
     def __init__(self) -> None:
         self._plugin: MixedPrecisionPlugin | None = None
         self._seen_steps = 0
+        self._logged_decisions = 0
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -62,6 +63,24 @@ def _logger_step(trainer: pl.Trainer) -> int:
     batch whatever the number of optimizers. Lightning has no public name for it; LearningRateMonitor reads the
     same counter. During the batch's hooks it still holds this batch's index (it moves after ``on_train_batch_end``)."""
     return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+TAG_AUTO_COUNT = "precision/auto_fp32_modules"  # scalar: modules the autopilot moved to FP32 so far
+TAG_AUTO_TEXT = "precision/auto_fp32_decisions"  # text: one entry per decision, with its evidence
+
+
+def autopilot_metrics(plugin: Any, loggers: Iterable[Any], logged: int, step: int) -> tuple[dict[str, float], int]:
+    """With ``fp32_modules="auto"``: the count as a metric, and each decision not logged yet (``logged`` of them
+    were) as a text entry for the loggers that take text (TensorBoard). Returns the metrics and the new count."""
+    autopilot = getattr(plugin.core, "autopilot", None)
+    if autopilot is None:
+        return {}, logged
+    decisions = autopilot.decisions
+    for writer in (getattr(lg, "experiment", None) for lg in loggers):
+        if hasattr(writer, "add_text"):
+            for decision in decisions[logged:]:
+                writer.add_text(TAG_AUTO_TEXT, str(decision), step)
+    return {TAG_AUTO_COUNT: float(len(decisions))}, len(decisions)
 
 
 def histogram_writers(loggers: Iterable[Any]) -> list[Any]:

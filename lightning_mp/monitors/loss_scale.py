@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 # the shared base lives in monitor_base; these names stay importable from here
-from lightning_mp.monitors.base import _logger_step, _PrecisionMonitor  # noqa: F401
+from lightning_mp.monitors.base import _logger_step, _PrecisionMonitor, autopilot_metrics  # noqa: F401
 from lightning_mp.validation import check_int
 
 
@@ -32,6 +32,9 @@ class LossScaleMonitor(_PrecisionMonitor):
                                       scale appears on the next step.
     ``precision/skipped_steps``       optimizer steps skipped so far because their gradients held inf/NaN
                                       (running total; it counts up on the skipped step itself)
+    ``precision/auto_fp32_modules``   with ``fp32_modules="auto"``: module instances moved to FP32 so far
+    ``precision/auto_fp32_decisions`` text (loggers with ``add_text``: TensorBoard), one entry per decision:
+                                      the module, the step and the evidence, at the first point after it
     ================================  =====================================================================
 
     Args:
@@ -72,6 +75,8 @@ class LossScaleMonitor(_PrecisionMonitor):
             "precision/loss_scale": float(plugin.last_step_scale),
             "precision/skipped_steps": float(plugin.skipped_steps),
         }
+        auto, self._logged_decisions = autopilot_metrics(plugin, trainer.loggers, self._logged_decisions, step)
+        metrics.update(auto)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 

@@ -32,16 +32,13 @@ refresh of that parameter (unfreeze it, or write it under ``torch.no_grad()`` in
 
 What is converted: FP32 parameters outside the FP32-kept subtrees (``keep_fp32(module)``: every parameter under a
 kept module stays FP32 and gets no copy, children included), and trainable 16-bit parameters, which get an FP32
-master once, with a warning (the bits already lost stay lost). Frozen 16-bit parameters stay 16-bit (a frozen
-bf16 base costs 2 B/param, as under ``bf16-true``) until they are unfrozen. float64, complex and integer
-parameters keep their dtype and train as under Lightning's own plugin. ``nn.Embedding(max_norm=...)`` renormalises
-its weight in place inside ``forward``, so it reads its FP32 Parameter, as under autocast.
+master once, with a warning (the bits already lost stay lost). Frozen 16-bit parameters stay 16-bit (2 B/param,
+as under ``bf16-true``) until unfrozen. float64, complex and integer parameters keep their dtype, as under Lightning's
+plugin. ``nn.Embedding(max_norm=...)`` renormalises its weight in ``forward``, so it reads its FP32 Parameter.
 
-Memory per converted parameter: 4 B FP32 parameter + 2 B 16-bit copy + 4 B FP32 gradient + optimizer state. Copies
-and FP32 gradients are views of one flat buffer per device each, allocated when the parameter set is built or
-changes (lazy parameters materialized, one unfrozen, replaced or moved): a steady step allocates nothing (at 16.8M
-parameters fresh buffers cost 3-5x the copy itself: the kernel zeroes new pages). ``bf16-mixed`` holds the same
-2 B/param from the forward to the backward (autocast's saved casts).
+Memory per converted parameter: 4 B FP32 parameter + 2 B copy + 4 B FP32 gradient + optimizer state. Copies and FP32
+gradients are views of one flat buffer per device each, allocated when the parameter set is built or changes
+(materialized, unfrozen, replaced, moved, sent to FP32 by ``fp32_modules="auto"``); a steady step allocates nothing.
 """
 
 from __future__ import annotations
@@ -164,6 +161,9 @@ class MasterWeights:
             self._build()  # hooks the modules; the parameters are on their device by now
         self._pending = True
         self._force = self._force or force
+
+    def rebuild(self) -> None:  # the kept modules changed: choose the converted parameters again at begin()
+        self._built = False
 
     def mark_stale(self, params: Iterable[nn.Parameter]) -> None:
         """These masters changed (an optimizer stepped them): refresh their copies at the next hooked forward."""
