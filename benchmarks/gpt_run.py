@@ -255,7 +255,10 @@ def plugin_settings(plugin: Precision) -> dict[str, Any]:
         return {
             "class": "lightning_mp.MixedPrecisionPlugin",
             "precision": plugin.format.name,
-            "master_weights": plugin.master_weights,
+            "master_weights": "compensated" if plugin.core.lean is not None else plugin.master_weights,
+            "optimizer_state_dtype": str(plugin.core.lean.state_dtype) if plugin.core.lean is not None else None,
+            "parity": plugin.parity,  # (drift, lost fraction) at the last step, with parity_guard
+            "auto_fp32_modules": plugin.auto_fp32_modules,
             "loss_scale": s.mode,
             "init_scale": s.init_scale,
             "growth_interval": s.growth_interval,

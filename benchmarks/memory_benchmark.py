@@ -28,7 +28,10 @@ try:
 except ImportError:  # e.g. Windows: the peak RSS columns stay empty
     resource = None
 
-VARIANTS = ["plain fp32", "native bf16-mixed", "lightning_mp bf16", "native 16-mixed", "lightning_mp fp16"]
+VARIANTS = [
+    "plain fp32", "native bf16-mixed", "lightning_mp bf16", "native 16-mixed", "lightning_mp fp16",
+    "lightning_mp bf16 compensated", "lightning_mp bf16 compensated + bf16 state",
+]
 
 
 def live_storage_bytes() -> int:
@@ -70,6 +73,10 @@ def worker(variant: str, args: argparse.Namespace) -> dict:
         "lightning_mp bf16": [MixedPrecisionPlugin("bf16")],
         "native 16-mixed": [MixedPrecision("16-mixed", "cpu")],
         "lightning_mp fp16": [MixedPrecisionPlugin("fp16")],
+        "lightning_mp bf16 compensated": [MixedPrecisionPlugin("bf16", master_weights="compensated")],
+        "lightning_mp bf16 compensated + bf16 state": [
+            MixedPrecisionPlugin("bf16", master_weights="compensated", optimizer_state_dtype=torch.bfloat16)
+        ],
     }[variant]
     result: dict = {"variant": variant, "params": sum(p.numel() for p in model.parameters())}
 

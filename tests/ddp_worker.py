@@ -68,6 +68,7 @@ def main():
     parser.add_argument("--exact", action="store_true", help="integer data and weights (exact in bf16)")
     parser.add_argument("--manual", action="store_true", help="manual optimization: manual_backward, opt.step")
     parser.add_argument("--native", default="", help="Lightning's own precision instead of the plugin")
+    parser.add_argument("--compensated", action="store_true", help="master_weights='compensated' (lean bf16)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
@@ -78,7 +79,9 @@ def main():
     else:
         x = torch.randn(64, 4, generator=g)
         y = x.sum(dim=1, keepdim=True) * 0.3
-    plugin = MixedPrecisionPlugin(args.precision, init_scale=2.0**8)
+    plugin = MixedPrecisionPlugin(
+        args.precision, init_scale=2.0**8, **({"master_weights": "compensated"} if args.compensated else {})
+    )
     model = Model(args.poison_rank, args.poison_step, exact=args.exact, manual=args.manual)
     model.x, model.y, model.batch_size = x, y, 32 // (args.devices * args.accumulate)
     trainer = L.Trainer(

@@ -54,3 +54,16 @@ def test_accumulation_under_ddp_equals_one_process_on_the_same_global_batch(tmp_
         assert not torch.equal(one["state"][k], torch.tensor([[1.0, 2.0, -1.0, 0.5]]))  # it moved
         torch.testing.assert_close(ddp[0]["state"][k], one["state"][k], rtol=2**-20, atol=0)
         assert torch.equal(ddp[0]["state"][k], ddp[1]["state"][k])
+
+
+def test_lean_bf16_under_ddp_keeps_the_ranks_identical_and_matches_one_process(tmp_path):
+    # master_weights="compensated": DDP averages the bf16 gradients of the bf16 parameters (as under bf16-true); the
+    # optimizer steps on the rebuilt FP32 masters on each rank, identically
+    (tmp_path / "ddp").mkdir()
+    (tmp_path / "one").mkdir()
+    ddp = launch(tmp_path / "ddp", "--precision", "bf16", "--compensated", "--exact", "--steps", "3")
+    (one,) = launch(tmp_path / "one", "--precision", "bf16", "--compensated", "--exact", "--steps", "3", devices=1)
+    for k in one["state"]:
+        assert ddp[0]["state"][k].dtype == torch.float32  # the FP32 model again after the fit
+        assert torch.equal(ddp[0]["state"][k], ddp[1]["state"][k])
+        torch.testing.assert_close(ddp[0]["state"][k], one["state"][k], rtol=2**-8, atol=0)

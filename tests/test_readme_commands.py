@@ -37,7 +37,7 @@ DRIVEN_ELSEWHERE = {
         "tests/test_examples.py::test_compare_precisions_writes_one_row_per_run",
     "python benchmarks/compare_precisions.py --max-steps 800 --output runs/compare":
         "tests/test_examples.py::test_compare_precisions_writes_one_row_per_run",
-    "python benchmarks/compare_precisions.py --max-steps 800 --seeds 2 --runs fp32 bf16":
+    "python benchmarks/compare_precisions.py --max-steps 800 --seeds 3 --runs fp32 bf16":
         "tests/test_examples.py::test_compare_precisions_over_seeds_reports_mean_spread_and_progress",
     "python examples/train_resnet.py": "tests/test_demos_resnet.py::test_example_table_with_tiny_runs",
     "python examples/train_resnet.py --runs fp32 bf16 --max-steps 30":

@@ -9,11 +9,10 @@ Where each piece runs in a training step (the front ends only map their framewor
     backward_context()    the backward's GEMMs emulated as the forward's
     fold()                the copies' 16-bit gradients into the Parameters' FP32 .grad (MasterWeights.fold_grads)
     unscale_(optimizer)   unscale + inf/NaN check, one host sync; on a skip the locator names the culprit
-    step(optimizer)       skip, or step on the FP32 Parameters; their copies go stale (MixedPrecisionStep.step)
+    step(optimizer)       skip, or step on the FP32 Parameters (lean bf16: on rebuilt FP32 masters, LeanBf16.step)
     end_training_step()   the scale moves once; a skipped step is logged with where it went non-finite
 
-Nothing here imports Lightning's Trainer or Fabric: the front ends pass what their framework knows (the model,
-the optimizers, the schedulers, the global step).
+Nothing here imports Lightning: the front ends pass the model, the optimizers, the schedulers, the global step.
 """
 
 from __future__ import annotations
@@ -31,7 +30,8 @@ from lightning_mp.doctor.locator import OverflowLocator
 from lightning_mp.doctor.report import OverflowReport
 from lightning_mp.formats import Format, check_device_supports, resolve_precision
 from lightning_mp.gemm.emulation import GemmEmulation
-from lightning_mp.numerics.distributed import average_across_ranks_, world_size
+from lightning_mp.numerics.distributed import average_fp32_grads_per_step
+from lightning_mp.numerics.lean import lean_bf16
 from lightning_mp.numerics.loss_scaler import LossScaler, ScalerSettings
 from lightning_mp.numerics.master_weights import MasterWeights
 from lightning_mp.numerics.scheduler_guard import SchedulerGuard
@@ -46,19 +46,19 @@ log = logging.getLogger("lightning_mp.plugin")  # the name users filter on for t
 
 class MixedPrecisionCore:
     """The numerics of one run: format, loss scaler, step, master weights, FP32 policy, GEMM choice, locator.
-
-    The arguments are :class:`lightning_mp.MixedPrecisionPlugin`'s (documented there); ``scaler`` holds the dynamic
-    scaler's knobs."""
+    The arguments are :class:`lightning_mp.MixedPrecisionPlugin`'s; ``scaler`` holds the dynamic scaler's knobs."""
 
     def __init__(
         self,
         precision: str,
         *,
-        master_weights: bool | None,
+        master_weights: bool | str | None,
         loss_scale: str | float | None,
         fp32_ops: Iterable[Any],
         fp32_modules: str | Sequence[type[nn.Module] | str],
         calibration_steps: int,
+        optimizer_state_dtype: torch.dtype | None,
+        parity_guard: float,
         skip_scheduler_on_overflow: bool,
         check_finite: bool,
         locate_overflows: bool,
@@ -66,12 +66,11 @@ class MixedPrecisionCore:
         scaler: ScalerSettings,
     ) -> None:
         self.format: Format = resolve_precision(precision)
-        if master_weights is not None and not isinstance(master_weights, bool):
-            raise ValueError(f"master_weights={master_weights!r} is not allowed: use True, False or None (auto).")
+        self.lean = lean_bf16(self.format, master_weights, optimizer_state_dtype, parity_guard)
         check_bool("skip_scheduler_on_overflow", skip_scheduler_on_overflow)
         check_bool("check_finite", check_finite)
         check_bool("locate_overflows", locate_overflows)
-        self.master_weights = self.format.is_16bit and master_weights is not False
+        self.master_weights = self.format.is_16bit and master_weights is not False and self.lean is None
         self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
         self.check_finite = check_finite
         self.locate_overflows = locate_overflows
@@ -95,7 +94,12 @@ class MixedPrecisionCore:
     def convert(self, module: nn.Module) -> nn.Module:
         """Watch ``module``'s parameters as FP32 masters (several calls: several models in one store)."""
         self.sharded = is_sharded(module)
-        if self.master_weights and not self.sharded:
+        if self.lean is not None:
+            if self.sharded:
+                raise ValueError("master_weights='compensated' does not shard its remainders with FSDP2 yet. HINT: "
+                                 "master_weights=None (FSDP2's FP32 shards are the masters).")
+            self.lean.convert(module, self._keeps_fp32)
+        elif self.master_weights and not self.sharded:
             if self.masters is None:
                 self.masters = MasterWeights(self.format.dtype, keep_fp32=self._keeps_fp32)
             self.masters.convert(module)
@@ -119,21 +123,18 @@ class MixedPrecisionCore:
         self.device_type = first.device.type if first is not None else "cpu"
         check_device_supports(self.format, self.device_type)
         verdict = self.gemm.setup(self.device_type, self.format.dtype) if self.format.is_16bit else ""
-        if self.scaler.dynamic and any(isinstance(opt, LBFGS) for opt in optimizers):
+        if (self.scaler.dynamic or self.lean) and any(isinstance(opt, LBFGS) for opt in optimizers):
             raise ValueError(
-                "LBFGS re-evaluates its closure inside step(), so a step with an overflow cannot be skipped: "
-                "loss_scale='dynamic' does not support it. HINT: use a static loss_scale=<number>, or "
-                "precision='bf16' (no scaling needed)."
+                "LBFGS re-evaluates its closure inside step(), so a step with an overflow cannot be skipped and "
+                "buckets cannot step apart: loss_scale='dynamic' and master_weights='compensated' do not support it. "
+                "HINT: use a static loss_scale=<number>, or precision='bf16' with master_weights=True."
             )
-        if self.masters is not None and hasattr(model, "require_backward_grad_sync") and world_size() > 1:
-            # autograd differentiates the 16-bit copies, not DDP's Parameters, so DDP's reducer must never wait
-            # for them: the FP32 gradients are averaged once per step instead (numerics.distributed). Lightning
-            # turns the flag back on after every manual-optimization training_step, so it goes off before every
-            # DDP forward (and so before Lightning's prepare_for_backward in manual_backward).
-            model.require_backward_grad_sync = False
-            self._handles.append(model.register_forward_pre_hook(_no_ddp_grad_sync))
-            self.step.reduce_ = average_across_ranks_
+        if self.masters is not None:
+            self._handles.extend(average_fp32_grads_per_step(model, self.step))
         self.guard_schedulers(schedulers)
+        if self.lean is not None:
+            self.lean.watch(optimizers)
+            self.step.apply = self.lean.step
         if self.format.is_16bit:
             # the op policy's kernels at the autocast keys, for the whole fit: the backward and activation
             # checkpointing's recomputation (which replays autocast state) follow it too
@@ -143,8 +144,7 @@ class MixedPrecisionCore:
                 self.autopilot.attach(root, self.device_type)
                 self._handles.append(self.autopilot)
         if self.locate_overflows:
-            # nothing on a clean step; a skip names the first non-finite gradient in backward order (parameter-free
-            # modules by the nearest parameter the overflow reaches) and arms the forward checks
+            # nothing on a clean step; a skip names the first non-finite gradient (backward order), arms the forward
             locator = self.locator = OverflowLocator(root, input_grads=False, forward=False)
             self.step.on_overflow = lambda optimizer: locator.locate_gradients(self.named_grads(optimizer))
             self._handles.append(locator)
@@ -165,6 +165,8 @@ class MixedPrecisionCore:
         if self.masters is not None:
             self.masters.remove()
             self.masters = None
+        if self.lean is not None:
+            self.lean.remove()  # the Parameters hold their FP32 masters again
 
     # ------------------------------------------------------------------ the step
     def begin(self, force: bool) -> None:
@@ -295,6 +297,3 @@ class MixedPrecisionCore:
     def _keeps_fp32(self, module: nn.Module) -> bool:
         return self.policy.keeps_fp32(module) or (self.autopilot is not None and self.autopilot.keeps(module))
 
-
-def _no_ddp_grad_sync(ddp: nn.Module, args: Any) -> None:
-    ddp.require_backward_grad_sync = False

@@ -57,11 +57,13 @@ class CoreViews:
         self,
         precision: str = "bf16",
         *,
-        master_weights: bool | None = None,
+        master_weights: bool | str | None = None,
         loss_scale: str | float | None = "auto",
         fp32_ops: Iterable[str | Callable] = DEFAULT_FP32_OPS,
         fp32_modules: str | Sequence[type[nn.Module] | str] = DEFAULT_FP32_MODULES,
         calibration_steps: int = 10,
+        optimizer_state_dtype: torch.dtype | None = None,
+        parity_guard: float = 0.0,
         skip_scheduler_on_overflow: bool = True,
         check_finite: bool = True,
         locate_overflows: bool = True,
@@ -77,7 +79,8 @@ class CoreViews:
     ) -> None:
         self.core = MixedPrecisionCore(
             precision, master_weights=master_weights, loss_scale=loss_scale, fp32_ops=fp32_ops,
-            fp32_modules=fp32_modules, calibration_steps=calibration_steps, skip_scheduler_on_overflow=skip_scheduler_on_overflow,
+            fp32_modules=fp32_modules, calibration_steps=calibration_steps,
+            optimizer_state_dtype=optimizer_state_dtype, parity_guard=parity_guard, skip_scheduler_on_overflow=skip_scheduler_on_overflow,
             check_finite=check_finite, locate_overflows=locate_overflows, gemm=gemm,
             scaler=ScalerSettings(
                 init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
@@ -135,6 +138,12 @@ class CoreViews:
         return self.core.autopilot.modules if self.core.autopilot is not None else []
 
     @property
+    def parity(self) -> tuple[float, float] | None:
+        """With ``master_weights="compensated"`` and ``parity_guard``: (relative drift of the lean parameters from
+        their FP32 shadows, fraction of the shadows' updates the lean values lost) at the last step."""
+        return self.core.lean.parity if self.core.lean is not None else None
+
+    @property
     def step(self) -> MixedPrecisionStep:
         """The step object: ``plugin.step.unscale_(optimizer)`` returns the overflow flag of this training step."""
         return self.core.step
@@ -190,16 +199,21 @@ class CoreViews:
     def named_fp32_parameters(self) -> Iterator[tuple[str, Tensor]]:
         """(name, value) of every parameter: the FP32 masters, which the Parameters hold at every moment
         (``module.named_parameters()`` is the same; kept for code written against earlier versions)."""
+        lean = self.core.lean
         if self.core.root is not None:
             for name, p in self.core.root.named_parameters():
-                yield name, p.detach()
+                yield name, lean.master(p) if lean is not None else p.detach()
 
     def describe(self) -> str:
         """A Markdown summary of this plugin's settings and its FP32 policy."""
         s = self.core.scaler
+        masters = "FP32 parameters, 16-bit copies read by the forward" if self.master_weights else "no (autocast only)"
+        if self.core.lean is not None:
+            lean = self.core.lean
+            masters = (f"compensated (bf16 parameters + exact int16 remainders; optimizer state {lean.state_dtype}; "
+                       f"parity guard {f'on {lean.parity_fraction:g} of the tensors' if lean.parity_fraction else 'off'})")
         lines = [
-            f"precision: {self.format.name} (compute dtype {self.format.dtype}); master weights: "
-            f"{'FP32 parameters, 16-bit copies read by the forward' if self.master_weights else 'no (autocast only)'}",
+            f"precision: {self.format.name} (compute dtype {self.format.dtype}); master weights: {masters}",
             f"loss scale: {s.mode!r}, current {s.scale:g}",
         ]
         if s.dynamic:

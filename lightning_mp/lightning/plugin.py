@@ -40,6 +40,9 @@ class MixedPrecisionPlugin(CoreViews, Precision):
         master_weights: forward and backward read 16-bit copies of the parameters while the Parameters
             themselves, and so the optimizer, hold FP32 masters (default for fp16 and bf16). ``False`` runs the
             forward under autocast only, like Lightning's ``16-mixed``/``bf16-mixed``. Ignored for fp32.
+            ``"compensated"`` (bf16 only, "lean bf16"): the parameters are bf16 between steps, each with an exact
+            int16 remainder, and the optimizer steps on the rebuilt FP32 masters bucket by bucket: 14 B/param under
+            AdamW instead of 18, bit for bit the same training (``docs/behaviour.md``).
         loss_scale: ``"dynamic"``, a positive number (static scale), ``None`` (no scaling), or ``"auto"``
             (default): ``"dynamic"`` for fp16, ``None`` for bf16 and fp32.
         fp32_ops: ops that always compute in FP32 under autocast (names or torch callables), default
@@ -51,6 +54,12 @@ class MixedPrecisionPlugin(CoreViews, Precision):
             ``docs/policy.md``); a tuple with ``"auto"`` in it: its classes plus the autopilot.
         calibration_steps: with ``fp32_modules="auto"``, the first training steps whose activations are measured
             (default 10; each costs about what the locator's forward checks do, 9-13% of a step).
+        optimizer_state_dtype: with ``master_weights="compensated"``, ``torch.bfloat16`` keeps the optimizer's
+            per-element state (Adam's moments) in bf16 between steps, stochastically rounded: 10 B/param under AdamW.
+            ``None`` (default): FP32.
+        parity_guard: with ``master_weights="compensated"``, the fraction of parameter tensors shadowed in FP32 and
+            stepped beside the lean ones; the drift is in :attr:`parity`, ``LossScaleMonitor``'s
+            ``precision/parity_*`` tags and a warning past one bf16 ulp. 0 (default): off, free.
         skip_scheduler_on_overflow: ``interval="step"`` learning-rate schedulers do not advance on a skipped step.
         check_finite: check the gradients for inf/NaN before every optimizer step and skip such steps, also when
             the loss is not scaled (bf16, fp32): one fused read of the gradients and one device->host sync per

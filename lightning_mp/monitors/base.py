@@ -69,18 +69,26 @@ TAG_AUTO_COUNT = "precision/auto_fp32_modules"  # scalar: modules the autopilot 
 TAG_AUTO_TEXT = "precision/auto_fp32_decisions"  # text: one entry per decision, with its evidence
 
 
-def autopilot_metrics(plugin: Any, loggers: Iterable[Any], logged: int, step: int) -> tuple[dict[str, float], int]:
-    """With ``fp32_modules="auto"``: the count as a metric, and each decision not logged yet (``logged`` of them
-    were) as a text entry for the loggers that take text (TensorBoard). Returns the metrics and the new count."""
-    autopilot = getattr(plugin.core, "autopilot", None)
+TAG_PARITY_DRIFT = "precision/parity_drift"  # lean bf16's relative drift from its FP32 shadows
+TAG_PARITY_LOST = "precision/parity_lost_fraction"  # the fraction of the shadows' updates the lean values lost
+
+
+def plugin_metrics(plugin: Any, loggers: Iterable[Any], logged: int, step: int) -> tuple[dict[str, float], int]:
+    """The parity guard's last measurement, and with ``fp32_modules="auto"`` the count as a metric and each decision
+    not logged yet (``logged`` of them were) as a text entry for the loggers that take text (TensorBoard). Returns the
+    metrics and the new count of logged decisions."""
+    metrics = {}
+    if plugin.parity is not None:
+        metrics = {TAG_PARITY_DRIFT: plugin.parity[0], TAG_PARITY_LOST: plugin.parity[1]}
+    autopilot = plugin.core.autopilot
     if autopilot is None:
-        return {}, logged
+        return metrics, logged
     decisions = autopilot.decisions
     for writer in (getattr(lg, "experiment", None) for lg in loggers):
         if hasattr(writer, "add_text"):
             for decision in decisions[logged:]:
                 writer.add_text(TAG_AUTO_TEXT, str(decision), step)
-    return {TAG_AUTO_COUNT: float(len(decisions))}, len(decisions)
+    return {**metrics, TAG_AUTO_COUNT: float(len(decisions))}, len(decisions)
 
 
 def histogram_writers(loggers: Iterable[Any]) -> list[Any]:

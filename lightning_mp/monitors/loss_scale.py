@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 # the shared base lives in monitor_base; these names stay importable from here
-from lightning_mp.monitors.base import _logger_step, _PrecisionMonitor, autopilot_metrics  # noqa: F401
+from lightning_mp.monitors.base import _logger_step, _PrecisionMonitor, plugin_metrics  # noqa: F401
 from lightning_mp.validation import check_int
 
 
@@ -35,6 +35,9 @@ class LossScaleMonitor(_PrecisionMonitor):
     ``precision/auto_fp32_modules``   with ``fp32_modules="auto"``: module instances moved to FP32 so far
     ``precision/auto_fp32_decisions`` text (loggers with ``add_text``: TensorBoard), one entry per decision:
                                       the module, the step and the evidence, at the first point after it
+    ``precision/parity_drift``        with ``master_weights="compensated"`` and ``parity_guard``: relative drift
+                                      of the lean parameters from their FP32 shadows after the step
+    ``precision/parity_lost_fraction`` the fraction of the shadows' updates the lean values lost
     ================================  =====================================================================
 
     Args:
@@ -75,7 +78,7 @@ class LossScaleMonitor(_PrecisionMonitor):
             "precision/loss_scale": float(plugin.last_step_scale),
             "precision/skipped_steps": float(plugin.skipped_steps),
         }
-        auto, self._logged_decisions = autopilot_metrics(plugin, trainer.loggers, self._logged_decisions, step)
+        auto, self._logged_decisions = plugin_metrics(plugin, trainer.loggers, self._logged_decisions, step)
         metrics.update(auto)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)

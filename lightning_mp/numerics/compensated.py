@@ -199,30 +199,37 @@ class CompensatedStep:
         values = [v.view(p.shape) for v, p in zip(scratch[:n].split(sizes), bucket)]
         grads = [v.view(p.shape) for v, p in zip(scratch[n:].split(sizes), bucket)]
         _rebuild_into(bits, [p.data.view(torch.int16) for p in bucket], lo)
-        saved = [(p.data, p.grad) for p in bucket]
         stepped = [i for i, p in enumerate(bucket) if p.grad is not None]
         torch._foreach_copy_([grads[i] for i in stepped], [bucket[i].grad for i in stepped])  # bf16 -> FP32: exact
-        inside = {bucket[i] for i in stepped}
+        # FP32 stand-ins over the scratch (no copy) take the bf16 Parameters' place in the groups and their state for
+        # the step. The Parameters themselves are never re-pointed: a .data of another dtype would reset their
+        # gradient accumulator, and with it the hooks DDP's reducer keeps there.
+        proxies: dict[nn.Parameter, nn.Parameter] = {}
+        for i in stepped:
+            proxy = proxies[bucket[i]] = nn.Parameter(values[i], requires_grad=bucket[i].requires_grad)
+            proxy.grad = grads[i]
         state, keys, parts, upcast = optimizer.state, [], [], None
         try:
-            for p, v, g in zip(bucket, values, grads):  # left to right: a .grad must match .data's dtype when set
-                p.grad, p.data, p.grad = None, v, (g if p in inside else None)
+            for p, proxy in proxies.items():
+                if p in state:
+                    state[proxy] = state.pop(p)
             for gr, ps in zip(optimizer.param_groups, groups):
-                gr["params"] = [p for p in ps if p in inside]
-            keys = [(bucket[i], k) for i in stepped for k in _float_state(state[bucket[i]], bucket[i])
-                    if state[bucket[i]][k].dtype != torch.float32]
+                gr["params"] = [proxies[p] for p in ps if p in proxies]
+            keys = [(q, k) for q in proxies.values() for k in _float_state(state[q], q)
+                    if state[q][k].dtype != torch.float32]
             if keys:  # bf16 state (ours, or cast by load_state_dict): FP32 for the step, in one scratch
-                old = [state[p][k] for p, k in keys]
+                old = [state[q][k] for q, k in keys]
                 upcast = torch.empty(sum(t.numel() for t in old), dtype=torch.float32, device=lo.device)
                 parts = [v.view(t.shape) for v, t in zip(upcast.split([t.numel() for t in old]), old)]
                 torch._foreach_copy_(parts, old)
-                for (p, k), v in zip(keys, parts):
-                    state[p][k] = v
+                for (q, k), v in zip(keys, parts):
+                    state[q][k] = v
             optimizer.step()
         finally:
-            _split_consume(bits, lo, [d.view(torch.int16) for d, _ in saved])
-            for p, (d, g) in zip(bucket, saved):
-                p.grad, p.data, p.grad = None, d, g
+            for p, proxy in proxies.items():
+                if proxy in state:
+                    state[p] = state.pop(proxy)
+            _split_consume(bits, lo, [p.data.view(torch.int16) for p in bucket])
         if self.state_dtype != _BF16:
             return
         # the bucket's FP32 state, stochastically rounded into one bf16 buffer (a view per tensor); in the steady

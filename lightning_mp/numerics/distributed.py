@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -59,6 +61,22 @@ def average_across_ranks_(tensors: list[Tensor]) -> None:
     for t in rest:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+def average_fp32_grads_per_step(model: Any, step: Any) -> list[Any]:
+    """Under DDP with master weights: autograd differentiates the 16-bit copies, not DDP's Parameters, so DDP's
+    reducer must never wait for them; ``step`` averages the FP32 gradients once per step instead. Lightning turns the
+    flag back on after every manual-optimization ``training_step``, so it goes off before every DDP forward (and so
+    before Lightning's ``prepare_for_backward`` in ``manual_backward``). Returns the hook handles."""
+    if not hasattr(model, "require_backward_grad_sync") or world_size() <= 1:
+        return []
+    model.require_backward_grad_sync = False
+    step.reduce_ = average_across_ranks_
+    return [model.register_forward_pre_hook(_no_ddp_grad_sync)]
+
+
+def _no_ddp_grad_sync(ddp: Any, args: Any) -> None:
+    ddp.require_backward_grad_sync = False
 
 
 def contiguous_runs(tensors: list[Tensor]) -> list[list[Tensor]]:

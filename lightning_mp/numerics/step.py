@@ -68,6 +68,8 @@ class MixedPrecisionStep:
         self.fp32_grads = fp32_grads
         self.reduce_ = reduce_
         self.on_overflow = on_overflow
+        # what a clean step runs: optimizer.step, or a stand-in (lean bf16 steps on rebuilt FP32 masters)
+        self.apply: Callable[..., Any] = _optimizer_step
         self._found: dict[int, bool] = {}  # id(optimizer) -> its flag, for the training step in progress
         self._found_inf = False
         self._layouts: WeakIdKeyDictionary = WeakIdKeyDictionary()  # optimizer -> GradLayout
@@ -121,7 +123,7 @@ class MixedPrecisionStep:
         if self._found_inf:
             optimizer.zero_grad(set_to_none=True)  # the poisoned gradients are dropped
             return None
-        return optimizer.step(**kwargs)
+        return self.apply(optimizer, **kwargs)
 
     def end_training_step(self, step: int | None = None) -> None:
         """Move the scale once for the training step that ends; a no-op if no optimizer was unscaled in it.
@@ -190,3 +192,6 @@ class MixedPrecisionStep:
             )
         self.scaler.load_state_dict(state["scaler"])
 
+
+def _optimizer_step(optimizer: Optimizer, **kwargs: Any) -> Any:
+    return optimizer.step(**kwargs)

@@ -1,0 +1,216 @@
+"""Lean bf16 (``master_weights="compensated"``): the model is a bf16 model, and its FP32 masters live on exactly.
+
+Each trainable FP32 parameter outside the FP32-kept modules becomes bf16 for good (its ``.data``, the round to nearest
+of the master) and gets an int16 remainder, so that the pair rebuilds the FP32 master bit for bit
+(:mod:`lightning_mp.numerics.compensated`). The forward and backward run on the bf16 parameters (gradients are bf16
+until the step); the user's optimizer steps on FP32 values rebuilt bucket by bucket inside the step and split back.
+With ``optimizer_state_dtype=torch.bfloat16`` its per-element floating state (Adam's moments, momentum) is kept in
+bf16 between steps, stochastically rounded. Live bytes per parameter under AdamW: 2 + 2 + 2 + 8 = 14, or 10 with bf16
+state, against 18 for FP32 masters with 16-bit copies and 16 for FP32 training.
+
+What stays exact: ``model.state_dict()`` holds the rebuilt FP32 masters (checkpoints are precision-agnostic, as with
+FP32 masters), ``load_state_dict`` splits FP32 values back exactly, an optimizer checkpoint's FP32 state is restored
+in FP32 (torch would cast it to the parameters' bf16), and at the end of a fit the Parameters hold their FP32
+masters again. What deliberately changes: between the steps of a fit the Parameters *are* bf16 (as under
+``bf16-true``): a callback reading ``p`` sees the bf16 value, ``plugin.master(p)`` the FP32 one.
+
+The parity guard (``parity_guard=fraction``): a sample of whole parameters is shadowed in FP32 and stepped by a
+second optimizer of the same class with the same gradients; after each step the relative drift of the lean values
+from their shadows and the fraction of updates the lean representation lost are kept in :attr:`LeanBf16.parity`
+(and logged by ``LossScaleMonitor``). With FP32 state both are 0 (the masters are exact); with bf16 state they
+measure what the rounding of the moments costs. Past :data:`DRIFT_WARNING` a warning says so, once. Off: nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_mp.numerics.compensated import CompensatedStep, ParityGuard, split_
+
+log = logging.getLogger("lightning_mp.plugin")
+
+# A drift of the lean values from their FP32 shadows past one bf16 ulp (relative) is worth a warning.
+DRIFT_WARNING = torch.finfo(torch.bfloat16).eps
+
+
+class LeanBf16:
+    """bf16 Parameters with exact int16 remainders, stepped on their FP32 masters; see the module docstring.
+
+    Args:
+        optimizer_state_dtype: ``torch.float32`` or ``torch.bfloat16`` (per-element optimizer state between steps).
+        parity_guard: fraction of the parameter tensors shadowed in FP32 (0: off).
+    """
+
+    def __init__(self, optimizer_state_dtype: torch.dtype, parity_guard: float) -> None:
+        self.state_dtype = optimizer_state_dtype
+        self.parity_fraction = parity_guard
+        self.parity: tuple[float, float] | None = None  # (drift, lost fraction) of the last step
+        self.steps: CompensatedStep | None = None
+        self._names: dict[nn.Parameter, list[str]] = {}
+        self._guards: dict[int, ParityGuard] = {}
+        self._handles: list[Any] = []
+        self._warned = False
+
+    # ------------------------------------------------------------------ set-up
+    def convert(self, module: nn.Module, keep_fp32: Callable[[nn.Module], bool]) -> None:
+        """Make ``module``'s trainable FP32 parameters (outside kept subtrees) bf16 with exact remainders."""
+        if self.steps is not None:
+            raise ValueError(
+                "master_weights='compensated' holds one model per plugin, and a second one was set up. HINT: set up "
+                "one module (a container of both), or use master_weights=True for several."
+            )
+        kept = {p for m in module.modules() if keep_fp32(m) for p in m.parameters()}
+        names: dict[nn.Parameter, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if p.requires_grad and p.dtype == torch.float32 and p not in kept:
+                names.setdefault(p, []).append(name)
+        self._names.update(names)
+        self.steps = CompensatedStep(list(self._names), optimizer_state_dtype=self.state_dtype)
+        # closures, not bound methods: torch marks its public-API hooks with an attribute
+        self._handles.append(module.register_state_dict_post_hook(lambda *args: self._save_masters(*args)))
+        self._handles.append(module.register_load_state_dict_pre_hook(lambda *args: self._load_masters(*args)))
+
+    def watch(self, optimizers: Sequence[Optimizer]) -> None:
+        """Keep these optimizers' FP32 state FP32 through ``load_state_dict`` (torch casts it to the bf16 params)."""
+        if self.state_dtype != torch.float32:
+            return
+        for optimizer in optimizers:
+            self._handles.append(optimizer.register_load_state_dict_pre_hook(_stash_fp32_state))
+            self._handles.append(optimizer.register_load_state_dict_post_hook(_restore_fp32_state))
+
+    def remove(self) -> None:
+        """Hooks off; the Parameters hold their FP32 masters again (a fit returns the FP32 model it trained)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self.steps is not None:
+            with torch.no_grad():
+                for p in self.steps.params:
+                    grad, p.grad = p.grad, None
+                    p.data = self.steps.master(p)
+                    p.grad = None if grad is None else grad.float()
+        self.steps, self._names, self._guards = None, {}, {}
+
+    # ------------------------------------------------------------------ the step
+    def master(self, p: nn.Parameter) -> Tensor:
+        """The FP32 master of a converted parameter (a new tensor); other parameters as they are."""
+        return self.steps.master(p) if self.steps is not None and p in self._names else p.detach()
+
+    def step(self, optimizer: Optimizer, **kwargs: Any) -> None:
+        if self.steps is None:
+            return optimizer.step(**kwargs)
+        guard = self._guard(optimizer)
+        if guard is not None:
+            guard.snapshot()
+        self.steps.step(optimizer, **kwargs)
+        if guard is not None:
+            self.parity = guard.measure()  # one host read, on guarded runs only
+            if self.parity[0] > DRIFT_WARNING and not self._warned:
+                self._warned = True
+                log.warning(
+                    f"parity guard: the lean parameters drifted {self.parity[0]:.3g} (relative) from their FP32 "
+                    f"shadows, past one bf16 ulp ({DRIFT_WARNING:.3g}); {self.parity[1]:.1%} of the last step's updates "
+                    "were lost. HINT: optimizer_state_dtype=torch.float32, or master_weights=True (FP32 masters)."
+                )
+        return None
+
+    def _guard(self, optimizer: Optimizer) -> ParityGuard | None:
+        if not self.parity_fraction:
+            return None
+        key = id(optimizer)
+        if key not in self._guards:
+            owned = [p for g in optimizer.param_groups for p in g["params"] if p in self._names]
+            if not owned:
+                return None
+            self._guards[key] = ParityGuard(owned, optimizer, self.steps.master, self.parity_fraction)
+        return self._guards[key]
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_masters(self, module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
+        for p, names in self._names.items():
+            master = None
+            for name in names:
+                if prefix + name in state:
+                    master = self.steps.master(p) if master is None else master
+                    state[prefix + name] = master
+
+    @torch.no_grad()
+    def _load_masters(self, module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
+        for p, names in self._names.items():
+            value = next((state[prefix + n] for n in names if prefix + n in state), None)
+            if not isinstance(value, Tensor) or value.shape != p.shape:
+                continue  # missing or mismatched: load_state_dict reports it
+            value = value.to(p.device)
+            remainder = self.steps.remainders[p]
+            if value.dtype == torch.float32:
+                hi = torch.empty_like(value, dtype=torch.bfloat16)
+                split_(value.contiguous(), hi, remainder)
+            else:
+                hi = value.to(torch.bfloat16)
+                remainder.zero_()  # a bf16 checkpoint: its values are the masters
+            for n in names:
+                if prefix + n in state:
+                    state[prefix + n] = hi
+
+
+def lean_bf16(fmt: Any, master_weights: Any, optimizer_state_dtype: Any, parity_guard: Any) -> LeanBf16 | None:
+    """The plugin's ``master_weights``, ``optimizer_state_dtype`` and ``parity_guard``, checked: a
+    :class:`LeanBf16` for ``master_weights="compensated"``, else ``None``."""
+    if master_weights is not None and not isinstance(master_weights, bool) and master_weights != "compensated":
+        raise ValueError(
+            f"master_weights={master_weights!r} is not allowed: use True, False, None (auto) or 'compensated'."
+        )
+    compensated = master_weights == "compensated"
+    if compensated and fmt.dtype != torch.bfloat16:
+        raise ValueError(
+            f"master_weights='compensated' with precision={fmt.name!r} is not allowed: its parameters are bf16. "
+            "HINT: precision='bf16', or master_weights=True for fp16."
+        )
+    if optimizer_state_dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"optimizer_state_dtype={optimizer_state_dtype!r} is not allowed: use None (FP32), torch.float32 or "
+            "torch.bfloat16."
+        )
+    if optimizer_state_dtype == torch.bfloat16 and not compensated:
+        raise ValueError(
+            "optimizer_state_dtype=torch.bfloat16 is not allowed without master_weights='compensated'. HINT: "
+            "MixedPrecisionPlugin('bf16', master_weights='compensated', optimizer_state_dtype=torch.bfloat16)."
+        )
+    if isinstance(parity_guard, bool) or not isinstance(parity_guard, (int, float)) or not 0 <= parity_guard <= 1:
+        raise ValueError(
+            f"parity_guard={parity_guard!r} is not allowed: use the fraction of parameter tensors to shadow in FP32, "
+            "a number in [0, 1] (0: off)."
+        )
+    if parity_guard and not compensated:
+        raise ValueError(
+            f"parity_guard={parity_guard!r} is not allowed without master_weights='compensated' (FP32 masters are "
+            "exact: there is nothing to guard). HINT: parity_guard=0."
+        )
+    return LeanBf16(optimizer_state_dtype or torch.float32, float(parity_guard)) if compensated else None
+
+
+def _stash_fp32_state(optimizer: Optimizer, state_dict: dict) -> None:
+    optimizer._lightning_mp_fp32_state = {
+        index: {k: v for k, v in entry.items() if isinstance(v, Tensor) and v.dtype == torch.float32 and v.dim()}
+        for index, entry in state_dict.get("state", {}).items()
+    }
+
+
+def _restore_fp32_state(optimizer: Optimizer) -> None:
+    stash = optimizer.__dict__.pop("_lightning_mp_fp32_state", {})
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for index, entry in stash.items():
+        if isinstance(index, int) and index < len(params) and params[index] in optimizer.state:
+            state = optimizer.state[params[index]]
+            for k, v in entry.items():
+                if k in state:
+                    state[k] = v.to(state[k].device)
+
+
+__all__ = ["DRIFT_WARNING", "LeanBf16"]

@@ -1,0 +1,167 @@
+"""master_weights="compensated" in real fits, against FP32-master bf16, Lightning's bf16-true and FP32 on the same
+code: the same training bit for bit, updates below a bf16 ulp kept, FP32 checkpoints, the parity guard."""
+
+import logging
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+
+from lightning_mp import LossScaleMonitor, MixedPrecisionPlugin
+
+
+class Net(L.LightningModule):
+    def __init__(self, optimizer="adamw", lr=1e-3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 1))
+        self.optimizer, self.lr = optimizer, lr
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return (self.net(x).float() - x[:, :1].sin()).pow(2).mean()
+
+    def configure_optimizers(self):
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def data(n=240):
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g)), batch_size=8)
+
+
+def fit(model, plugins=None, steps=30, **kwargs):
+    L.Trainer(max_steps=steps, plugins=plugins, accelerator="cpu", logger=kwargs.pop("logger", False),
+              enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False, **kwargs).fit(model, data())  # fmt: skip
+    return model
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_30_steps_give_weights_bitwise_equal_to_fp32_master_bf16(optimizer):
+    masters = fit(Net(optimizer), [MixedPrecisionPlugin("bf16")])
+    lean = fit(Net(optimizer), [MixedPrecisionPlugin("bf16", master_weights="compensated")])
+    for (name, a), b in zip(masters.named_parameters(), lean.parameters()):
+        assert b.dtype == torch.float32 and torch.equal(a, b), name  # FP32 again after the fit, and identical
+
+
+class OneWeight(L.LightningModule):
+    """A weight of 1.0 with a gradient of exactly 1: each SGD step of 1e-4 is far below bf16's ulp at 1 (2^-7)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def training_step(self, batch, batch_idx):
+        return (self.w * torch.ones(1, dtype=self.w.dtype)).float().sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+
+def test_50_sgd_steps_of_1e4_reach_0_995_where_pure_bf16_stays_at_1():
+    lean = fit(OneWeight(), [MixedPrecisionPlugin("bf16", master_weights="compensated")], steps=50)
+    assert abs(lean.w.item() - 0.995) <= 2e-6
+    fp32 = fit(OneWeight(), None, steps=50)
+    assert torch.equal(lean.w, fp32.w)  # the FP32 loop, bit for bit
+    bf16_true = fit(OneWeight(), None, steps=50, precision="bf16-true")
+    assert bf16_true.w.item() == 1.0  # Lightning's bf16-true loses every update
+
+
+class SavesMidStep(Net):
+    def __init__(self, path):
+        super().__init__()
+        self.path, self.seen = path, None
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 10:
+            self.trainer.save_checkpoint(self.path)
+            self.seen = {k: v.clone() for k, v in self.trainer.precision_plugin.named_fp32_parameters()}
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_checkpoint_holds_the_fp32_masters_and_resumes_as_fp32_master_bf16_does(tmp_path):
+    lean_path, masters_path = tmp_path / "lean.ckpt", tmp_path / "masters.ckpt"
+    model = fit(SavesMidStep(lean_path), [MixedPrecisionPlugin("bf16", master_weights="compensated")])
+    fit(SavesMidStep(masters_path), [MixedPrecisionPlugin("bf16")])
+    state = torch.load(lean_path, weights_only=False)["state_dict"]
+    assert all(v.dtype == torch.float32 for v in state.values())
+    assert all(torch.equal(state[k], v) for k, v in model.seen.items())  # the masters, not their bf16 values
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in state.values())
+    # resumed, each from its own checkpoint (FP32 Adam moments included): the same weights bit for bit
+    resumed = []
+    for path, plugin in ((lean_path, MixedPrecisionPlugin("bf16", master_weights="compensated")),
+                         (masters_path, MixedPrecisionPlugin("bf16"))):  # fmt: skip
+        model = Net()
+        L.Trainer(max_steps=30, plugins=[plugin], accelerator="cpu", logger=False, enable_checkpointing=False,
+                  enable_model_summary=False, enable_progress_bar=False).fit(model, data(), ckpt_path=str(path))
+        resumed.append(model)
+    for a, b in zip(*(m.parameters() for m in resumed)):
+        assert torch.equal(a, b)
+
+
+def test_bf16_optimizer_state_trains_like_fp32_masters_and_the_guard_logs_its_drift(tmp_path, caplog):
+    reference = fit(Net(), [MixedPrecisionPlugin("bf16")], steps=60)
+    plugin = MixedPrecisionPlugin(
+        "bf16", master_weights="compensated", optimizer_state_dtype=torch.bfloat16, parity_guard=0.5
+    )
+    logger = TensorBoardLogger(tmp_path, name="", version="")
+    with caplog.at_level(logging.WARNING, logger="lightning_mp"):
+        lean = fit(Net(), [plugin], steps=60, logger=logger, callbacks=[LossScaleMonitor(logging_interval=1)])
+    drift, lost = plugin.parity
+    assert 0 < drift < 2**-7 and lost == 0  # under its warning threshold: no warning
+    assert not [r for r in caplog.records if "parity guard" in r.getMessage()]
+    for a, b in zip(reference.parameters(), lean.parameters()):
+        assert (a - b).abs().max() <= 2**-7 * a.abs().max()  # within a bf16 ulp of the weights' scale
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0}).Reload()
+    drifts = [e.value for e in acc.Scalars("precision/parity_drift")]
+    assert len(drifts) == 60 and drifts[-1] == pytest.approx(drift)
+    assert len(acc.Scalars("precision/parity_lost_fraction")) == 60
+
+
+def test_the_guard_warns_once_with_a_hint_when_the_lean_values_drift(monkeypatch, caplog):
+    # exact masters never drift; masters whose remainders are lost (here zeroed before every step, as a write of
+    # bf16 values into the parameters would) drift from the FP32 shadows, and past the threshold it says so
+    import lightning_mp.numerics.lean as lean_module
+
+    monkeypatch.setattr(lean_module, "DRIFT_WARNING", 1e-6)
+
+    class DropsRemainders(Net):
+        def on_train_batch_start(self, batch, batch_idx):
+            for r in self.trainer.precision_plugin.core.lean.steps.remainders.values():
+                r.zero_()
+
+    with caplog.at_level(logging.WARNING, logger="lightning_mp"):
+        exact = MixedPrecisionPlugin("bf16", master_weights="compensated", parity_guard=1.0)
+        fit(Net(), [exact], steps=20)
+        assert exact.parity == (0.0, 0.0) and not caplog.records
+        lossy = MixedPrecisionPlugin("bf16", master_weights="compensated", parity_guard=1.0)
+        fit(DropsRemainders(), [lossy], steps=20)
+    assert lossy.parity[0] > 1e-6
+    warnings = [r.getMessage() for r in caplog.records if "parity guard" in r.getMessage()]
+    assert len(warnings) == 1 and "HINT: optimizer_state_dtype=torch.float32" in warnings[0]
+
+
+def test_fabric_trains_bitwise_as_fp32_master_bf16():
+    from lightning.fabric import Fabric
+
+    from lightning_mp.fabric import MixedPrecisionPlugin as FabricPlugin
+
+    weights = []
+    for kwargs in ({}, {"master_weights": "compensated"}):
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricPlugin("bf16", **kwargs)])
+        model = Net()
+        net, optimizer = fabric.setup(model.net, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        for (x,) in list(data())[:20]:
+            optimizer.zero_grad()
+            fabric.backward((net(x).float() - x[:, :1].sin()).pow(2).mean())
+            optimizer.step()
+        fabric.strategy.precision.teardown()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert all(a.dtype == b.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(*weights))
