@@ -63,6 +63,14 @@ RUN_HERE = {
          "--data.max_val_batches", "1", "--trainer.enable_progress_bar", "false"],
         "[native-16-mixed] 2 steps",
     ),
+    "python benchmarks/gpt_run.py --trainer.plugins lightning_mp.MixedPrecisionPlugin "
+    "--trainer.plugins.init_args.master_weights compensated --trainer.plugins.init_args.optimizer_state_dtype "
+    "torch.bfloat16 --trainer.plugins.init_args.parity_guard 0.05": (
+        ["--trainer.max_steps", "2", "--model.n_layer", "1", "--model.n_embd", "32", "--model.n_head", "2",
+         "--data.block_size", "16", "--data.batch_size", "2", "--data.max_bytes", "65536",
+         "--data.max_val_batches", "1", "--trainer.enable_progress_bar", "false"],
+        "[bf16] 2 steps",
+    ),
     "python benchmarks/benchmark.py": (["--rounds", "1", "--steps", "2", "--warmup", "1", "--only", "bf16-mixed",
                                         *TINY_GPT], "RATIO ours / native, bf16"),
     'python benchmarks/benchmark.py --only "no overflow locator" ActivationRangeMonitor --rounds 3 --steps 10 '
