@@ -80,8 +80,9 @@ class CoreViews:
         self.core = MixedPrecisionCore(
             precision, master_weights=master_weights, loss_scale=loss_scale, fp32_ops=fp32_ops,
             fp32_modules=fp32_modules, calibration_steps=calibration_steps,
-            optimizer_state_dtype=optimizer_state_dtype, parity_guard=parity_guard, skip_scheduler_on_overflow=skip_scheduler_on_overflow,
-            check_finite=check_finite, locate_overflows=locate_overflows, gemm=gemm,
+            optimizer_state_dtype=optimizer_state_dtype, parity_guard=parity_guard,
+            skip_scheduler_on_overflow=skip_scheduler_on_overflow, check_finite=check_finite,
+            locate_overflows=locate_overflows, gemm=gemm,
             scaler=ScalerSettings(
                 init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
                 growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,

@@ -297,4 +297,4 @@ class ParityGuard:
         lost = moved & (lean == torch.cat([b.reshape(-1) for b in self._before]))
         self._before = []
         drift = (lean - shadow).norm() / shadow.norm()
-        return drift.item(), (lost.sum() / moved.sum().clamp(min=1)).item()
+        return tuple(torch.stack([drift, lost.sum() / moved.sum().clamp(min=1)]).tolist())  # the one host read

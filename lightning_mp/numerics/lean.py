@@ -87,8 +87,11 @@ class LeanBf16:
         if self.state_dtype != torch.float32:
             return
         for optimizer in optimizers:
-            self._handles.append(optimizer.register_load_state_dict_pre_hook(_stash_fp32_state))
-            self._handles.append(optimizer.register_load_state_dict_post_hook(_restore_fp32_state))
+            stash: dict = {}  # ours, not an attribute on the user's optimizer
+            self._handles.append(optimizer.register_load_state_dict_pre_hook(
+                lambda opt, state_dict, stash=stash: _stash_fp32_state(stash, state_dict)))
+            self._handles.append(optimizer.register_load_state_dict_post_hook(
+                lambda opt, stash=stash: _restore_fp32_state(stash, opt)))
 
     def remove(self) -> None:
         """Hooks off; the Parameters hold their FP32 masters again (a fit returns the FP32 model it trained)."""
@@ -201,15 +204,15 @@ def lean_bf16(fmt: Any, master_weights: Any, optimizer_state_dtype: Any, parity_
     return LeanBf16(optimizer_state_dtype or torch.float32, float(parity_guard)) if compensated else None
 
 
-def _stash_fp32_state(optimizer: Optimizer, state_dict: dict) -> None:
-    optimizer._lightning_mp_fp32_state = {
+def _stash_fp32_state(stash: dict, state_dict: dict) -> None:
+    stash.clear()
+    stash.update({
         index: {k: v for k, v in entry.items() if isinstance(v, Tensor) and v.dtype == torch.float32 and v.dim()}
         for index, entry in state_dict.get("state", {}).items()
-    }
+    })
 
 
-def _restore_fp32_state(optimizer: Optimizer) -> None:
-    stash = optimizer.__dict__.pop("_lightning_mp_fp32_state", {})
+def _restore_fp32_state(stash: dict, optimizer: Optimizer) -> None:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for index, entry in stash.items():
         if isinstance(index, int) and index < len(params) and params[index] in optimizer.state:
@@ -217,6 +220,7 @@ def _restore_fp32_state(optimizer: Optimizer) -> None:
             for k, v in entry.items():
                 if k in state:
                     state[k] = v.to(state[k].device)
+    stash.clear()
 
 
 __all__ = ["DRIFT_WARNING", "LeanBf16"]

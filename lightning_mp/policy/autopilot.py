@@ -148,8 +148,7 @@ class Autopilot:
             if any(self.keeps(m) for m in _ancestors(module, self._root)):
                 continue  # an enclosing module went first: this one is FP32 already
             self._kept[id(module)] = module
-            self._fp32_hooks.append(module.register_forward_pre_hook(hooks.pre, with_kwargs=True))
-            self._fp32_hooks.append(module.register_forward_hook(hooks.post, prepend=True, always_call=True))
+            self._fp32_hooks.extend(hooks.attach(module))
             moved = True
             if decision not in self.decisions:  # not one an earlier fit of this plugin took already
                 self.decisions.append(decision)

@@ -115,6 +115,14 @@ class _Fp32ForwardHooks:
             torch.set_autocast_enabled(self.device_type, False)
         return args, kwargs
 
+    def attach(self, module: nn.Module) -> list[Any]:
+        """Hook ``module``: the pre-hook appended (runs right before forward), the post-hook prepended (runs right
+        after it), so the FP32 region is as tight as hooks allow. Returns the two handles."""
+        return [
+            module.register_forward_pre_hook(self.pre, with_kwargs=True),
+            module.register_forward_hook(self.post, prepend=True, always_call=True),
+        ]
+
     def post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         frames = _frames()
         # Only undo a frame this module pushed: if our own pre-hook never ran (an

@@ -275,10 +275,7 @@ class Fp32Policy:
         for module in root.modules():
             if self.keeps_fp32(module):
                 modules.append(module)
-                # Pre-hook appended (runs right before forward), post-hook prepended
-                # (runs right after it): the FP32 region is as tight as hooks allow.
-                handles.append(module.register_forward_pre_hook(hooks.pre, with_kwargs=True))
-                handles.append(module.register_forward_hook(hooks.post, prepend=True, always_call=True))
+                handles.extend(hooks.attach(module))
         return Fp32ModuleHandle(tuple(modules), handles)
 
     def describe(self) -> str:
