@@ -19,9 +19,11 @@ from lightning_mp.numerics.grad_norm import grad_norm
 from lightning_mp.numerics.loss_scaler import LossScaler, ScalerSettings
 from lightning_mp.numerics.step import MixedPrecisionStep
 from lightning_mp.policy.ops import (
+    BF16_FP32_OPS,
     DEFAULT_FP32_MODULES,
     DEFAULT_FP32_OPS,
     EMBEDDING_MODULES,
+    FP16_RANGE_OPS,
     NORM_MODULES,
     RECURRENT_MODULES,
 )
@@ -34,9 +36,11 @@ _logging.install()
 
 __all__ = [
     "ActivationRangeMonitor",
+    "BF16_FP32_OPS",
     "DEFAULT_FP32_MODULES",
     "DEFAULT_FP32_OPS",
     "EMBEDDING_MODULES",
+    "FP16_RANGE_OPS",
     "Format",
     "Fp32Policy",
     "GradientRangeMonitor",

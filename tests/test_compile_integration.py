@@ -57,8 +57,8 @@ def graphs_in_a_fit(**precision):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_trainer_compiles_fullgraph_into_as_many_graphs_as_lightnings_own_plugin(precision):
-    # fp16 with emulated GEMMs runs a TorchDispatchMode, which torch.compile refuses: on CPUs without fp16
-    # arithmetic, compile with gemm="native" (CUDA's "auto" is native)
+    # GEMM emulation is tested in eager execution only: on CPUs without fp16 arithmetic, compile with
+    # gemm="native" (CUDA's "auto" is native)
     plugin = MixedPrecisionPlugin(precision, gemm="native")
     assert graphs_in_a_fit(plugins=[plugin]) == graphs_in_a_fit(precision="bf16-mixed") == 1
 

@@ -31,7 +31,9 @@ class MyBlock(nn.Module):
 def test_a_user_class_is_named_by_its_path_and_nothing_listed_says_so() -> None:
     text = describe_policy({}, (MyBlock,))
     assert f"| `{__name__}.MyBlock` | MyBlock | selected by the user |" in text
-    assert "_None: every op follows autocast's own lists._" in text
+    assert "#### Ops computed in FP32" in text and "_None._" in text
+    empty = Fp32Policy(ops=(), modules=()).describe()  # the whole table left out: 16 bits everywhere, said so
+    assert "_None._" in empty and "`softmax`" in empty.split("Left out of `DEFAULT_FP32_OPS`")[1]
     assert "_None: every parameter follows" in describe_policy({}, ())
 
 

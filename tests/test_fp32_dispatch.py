@@ -230,6 +230,64 @@ def test_ops_left_to_cpu_autocast_are_fp32_there() -> None:
             assert out.dtype == torch.float32
 
 
+# ------------------------------------------------------------------------------- unlisted ops: 16 bits everywhere
+
+
+def _bf16_ulps(got: torch.Tensor, exact: torch.Tensor) -> float:
+    """Largest distance of ``got`` from ``exact`` in bf16 ulps at ``exact`` (finite, non-zero values)."""
+    ok = exact.isfinite() & (exact != 0)
+    ulp = torch.ldexp(torch.ones_like(exact), torch.frexp(exact).exponent - 8)  # bf16: 8 significant bits
+    return float(((got.float() - exact).abs() / ulp)[ok].max())
+
+
+def test_bf16_default_keeps_the_range_ops_in_bf16_on_cpu_and_cuda_within_an_ulp() -> None:
+    from lightning_mp import BF16_FP32_OPS, FP16_RANGE_OPS, MixedPrecisionPlugin
+
+    assert MixedPrecisionPlugin("bf16").policy.ops == BF16_FP32_OPS == DEFAULT_FP32_OPS - FP16_RANGE_OPS - {
+        "gaussian_nll_loss", "gumbel_softmax", "local_response_norm"}
+    assert MixedPrecisionPlugin("fp16").policy.ops == DEFAULT_FP32_OPS
+    assert MixedPrecisionPlugin("bf16", fp32_ops=DEFAULT_FP32_OPS).policy.ops == DEFAULT_FP32_OPS
+    policy = Fp32Policy(BF16_FP32_OPS)
+    assert policy.python_only_ops == frozenset()
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(0)).mul(3).bfloat16()
+    positive, unit = x.abs() + 0.01, (x / 10).clamp(-0.99, 0.99)
+    pow_, exp = torch.ops.aten.pow.Tensor_Scalar, torch.ops.aten.exp.default
+    with policy.activate(), torch.autocast("cpu", dtype=torch.bfloat16):
+        results = {
+            "pow 3": (x**3, x.float() ** 3), "pow 2": (x.pow(2), x.float().pow(2)), "exp": (x.exp(), x.float().exp()),
+            "log": (positive.log(), positive.float().log()), "rsqrt": (positive.rsqrt(), positive.float().rsqrt()),
+            "erfinv": (unit.erfinv(), unit.float().erfinv()), "softplus": (F.softplus(x), F.softplus(x.float())),
+        }
+        # CUDA autocast runs these in FP32 itself; the policy's kernels at its key keep them in bf16
+        on_cuda = pow_.redispatch(CUDA_AUTOCAST_ON_CPU, x, 3), exp.redispatch(CUDA_AUTOCAST_ON_CPU, x)
+        assert F.softmax(x, 0).dtype == x.sum().dtype == torch.float32  # what FP32 buys accuracy for stays
+    assert {"pow.Tensor_Scalar", "exp", "log", "rsqrt"} <= {o for k, o, r in policy.kernel_plan() if r.lower}
+    assert all(out.dtype == torch.bfloat16 for out in on_cuda)
+    for name, (got, exact) in results.items():
+        assert got.dtype == torch.bfloat16, name
+        # computed in FP32 and rounded once: half an ulp; an integer power of 3 or more (x * x * x) and torch's
+        # approximate vectorised rsqrt are up to one ulp further off
+        assert _bf16_ulps(got, exact) <= (1.5 if name in ("pow 3", "rsqrt") else 0.5), name
+    # a kernel registered but switched off (Fabric between its steps) does what CUDA autocast does: FP32
+    with policy.activate(on=False):
+        assert pow_.redispatch(CUDA_AUTOCAST_ON_CPU, x, 3).dtype == torch.float32
+    # a bf16 and an fp16 fit in one process: FP32 wins, on every device
+    with policy.activate(), Fp32Policy().activate(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert pow_.redispatch(CUDA_AUTOCAST_ON_CPU, x, 3).dtype == (x**3).dtype == torch.float32
+
+
+def test_an_op_left_out_of_the_default_table_is_16_bit_where_autocast_would_run_it_in_fp32() -> None:
+    a, b = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16)
+    policy = Fp32Policy(DEFAULT_FP32_OPS - {"mse_loss"})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert F.mse_loss(a, b).dtype == torch.float32  # CPU autocast's own FP32 list
+        with policy.activate():
+            assert F.mse_loss(a, b).dtype == torch.bfloat16
+            assert F.l1_loss(a, b).dtype == torch.float32  # still listed
+        assert F.mse_loss(a, b).dtype == torch.float32  # removed with the policy
+    assert "`mse_loss`" in policy.describe().split("Left out of `DEFAULT_FP32_OPS`")[1]
+
+
 # ------------------------------------------------------------------------------------- composites and describe()
 
 

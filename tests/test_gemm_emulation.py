@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import lightning_mp.gemm.emulation as ge
 import lightning_mp.gemm.support as gs
@@ -108,11 +109,31 @@ CASE_NAMES = list(op_cases(torch.float32))
 NATIVE_ROUNDS_INSIDE = {"addbmm", "conv_transpose2d"}
 
 
-def _run(fn, inputs, emulate: bool, dtype):
-    """Forward and backward, with the mode around both as the plugin does; returns (out, grads, gemm calls seen)."""
+HOW = ("mode", "kernels")  # EmulatedGemmMode, or a run's kernels at ADInplaceOrView (GemmEmulation after setup)
+
+
+@contextlib.contextmanager
+def emulating(dtype, how: str = "mode"):
+    """Emulation of ``dtype`` GEMMs the way ``how`` says (the kernels: registered for the block only)."""
+    if how == "mode":
+        with EmulatedGemmMode(dtype):
+            yield
+        return
+    run = GemmEmulation("emulated")
+    with _disable_current_modes():  # the support probe's native GEMMs are not the code under test
+        run.setup("cpu", dtype)
+    try:
+        with run.context():
+            yield
+    finally:
+        run.remove()
+
+
+def _run(fn, inputs, emulate: bool, dtype, how: str = "mode"):
+    """Forward and backward, with emulation around both as the plugin does; returns (out, grads, gemm calls seen)."""
     inputs = [x.detach().requires_grad_() for x in inputs]
     recorder = Recorder()
-    with recorder, (EmulatedGemmMode(dtype) if emulate else contextlib.nullcontext()):
+    with recorder, (emulating(dtype, how) if emulate else contextlib.nullcontext()):
         out = fn(*inputs)
         out.float().pow(2).sum().backward()
     return out, [x.grad for x in inputs], recorder.gemms()
@@ -120,10 +141,11 @@ def _run(fn, inputs, emulate: bool, dtype):
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("name", CASE_NAMES)
-def test_every_gemm_runs_in_fp32_returns_16_bit_and_matches_the_native_kernel(dtype, name):
+@pytest.mark.parametrize("how", HOW)
+def test_every_gemm_runs_in_fp32_returns_16_bit_and_matches_the_native_kernel(dtype, name, how):
     inputs, fn = op_cases(dtype)[name]
     _, exact_fn = op_cases(dtype, exact=True)[name]
-    out, grads, kernels = _run(fn, inputs, emulate=True, dtype=dtype)
+    out, grads, kernels = _run(fn, inputs, emulate=True, dtype=dtype, how=how)
     assert out.dtype == dtype
     assert kernels, "no GEMM reached the kernels"
     assert all(dtypes <= {torch.float32} for _, dtypes in kernels), f"a 16-bit GEMM kernel ran: {kernels}"
@@ -143,9 +165,10 @@ def test_every_gemm_runs_in_fp32_returns_16_bit_and_matches_the_native_kernel(dt
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("name", list(composite_cases(torch.float32)))
-def test_modules_of_several_gemms_match_the_native_path_at_their_scale(dtype, name):
+@pytest.mark.parametrize("how", HOW)
+def test_modules_of_several_gemms_match_the_native_path_at_their_scale(dtype, name, how):
     inputs, fn = composite_cases(dtype)[name]
-    out, grads, kernels = _run(fn, inputs, emulate=True, dtype=dtype)
+    out, grads, kernels = _run(fn, inputs, emulate=True, dtype=dtype, how=how)
     native_out, native_grads, _ = _run(fn, inputs, emulate=False, dtype=dtype)
     assert out.dtype == dtype and kernels and all(d <= {torch.float32} for _, d in kernels)
     for a, b in [(out, native_out), *zip(grads, native_grads)]:
@@ -155,9 +178,10 @@ def test_modules_of_several_gemms_match_the_native_path_at_their_scale(dtype, na
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("name", list(ATTENTION))
-def test_attention_runs_in_fp32_and_is_correctly_rounded(dtype, name):
+@pytest.mark.parametrize("how", HOW)
+def test_attention_runs_in_fp32_and_is_correctly_rounded(dtype, name, how):
     inputs = [_t(2, 4, 8, 16, dtype=dtype, seed=s) for s in (1, 2, 3)]
-    out, grads, kernels = _run(ATTENTION[name], inputs, emulate=True, dtype=dtype)
+    out, grads, kernels = _run(ATTENTION[name], inputs, emulate=True, dtype=dtype, how=how)
     native_out, _, _ = _run(ATTENTION[name], inputs, emulate=False, dtype=dtype)
     assert out.dtype == dtype and all(g.dtype == dtype and torch.isfinite(g).all() for g in grads)
     assert any("flash_attention" in n for n, _ in kernels) and all(d <= {torch.float32} for _, d in kernels)
@@ -168,12 +192,13 @@ def test_attention_runs_in_fp32_and_is_correctly_rounded(dtype, name):
     assert (out.double() - native_out.double()).abs().max() <= scale
 
 
+@pytest.mark.parametrize("how", HOW)
 @pytest.mark.parametrize("dtype", HALF)
-def test_fused_inference_kernels_are_emulated(dtype):
+def test_fused_inference_kernels_are_emulated(dtype, how):
     layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True).to(dtype).eval()
     x = _t(2, 6, 16, dtype=dtype, seed=1, grad=False)
     recorder = Recorder()
-    with torch.no_grad(), recorder, EmulatedGemmMode(dtype):
+    with torch.no_grad(), recorder, emulating(dtype, how):
         out = layer(x)
     with torch.no_grad():
         native = layer(x)
@@ -182,8 +207,9 @@ def test_fused_inference_kernels_are_emulated(dtype):
     assert (out.double() - native.double()).abs().max() <= 4 * torch.finfo(dtype).eps * native.double().abs().max()
 
 
+@pytest.mark.parametrize("how", HOW)
 @pytest.mark.parametrize("dtype", HALF)
-def test_inference_mode_emulates_composite_ops_like_no_grad(dtype):
+def test_inference_mode_emulates_composite_ops_like_no_grad(dtype, how):
     """Under inference_mode (Lightning's validate/test/predict) conv2d, linear and matmul reach the mode whole; they
     are decomposed under it, so their GEMMs still run in FP32, with the same bits as under no_grad."""
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 10)).to(dtype).eval()
@@ -191,7 +217,7 @@ def test_inference_mode_emulates_composite_ops_like_no_grad(dtype):
     results = {}
     for ctx in (torch.no_grad, torch.inference_mode):
         recorder = Recorder()
-        with ctx(), recorder, EmulatedGemmMode(dtype):
+        with ctx(), recorder, emulating(dtype, how):
             results[ctx] = torch.matmul(model(x), _t(10, 5, dtype=dtype, seed=4, grad=False))
         gemms = recorder.gemms()
         assert [name for name, _ in gemms] == ["convolution", "addmm", "mm"]
@@ -200,7 +226,8 @@ def test_inference_mode_emulates_composite_ops_like_no_grad(dtype):
     assert torch.equal(results[torch.no_grad], results[torch.inference_mode])
 
 
-def test_saved_activations_stay_16_bit():
+@pytest.mark.parametrize("how", HOW)
+def test_saved_activations_stay_16_bit(how):
     """Autograd saves what the op it records gets: the 16-bit tensors, as without emulation."""
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 10)).to(torch.float16)
     x = torch.randn(4, 3, 8, 8).to(torch.float16)
@@ -208,7 +235,7 @@ def test_saved_activations_stay_16_bit():
     def saved(emulate):
         packed = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
-            with EmulatedGemmMode(torch.float16) if emulate else contextlib.nullcontext():
+            with emulating(torch.float16, how) if emulate else contextlib.nullcontext():
                 model(x).sum()
         return sorted((str(t.dtype), t.numel()) for t in packed if t.is_floating_point())
 
@@ -216,10 +243,11 @@ def test_saved_activations_stay_16_bit():
     assert all(dtype == "torch.float16" for dtype, _ in saved(emulate=True))
 
 
-def test_autocast_does_not_cast_the_fp32_gemm_back_down():
+@pytest.mark.parametrize("how", HOW)
+def test_autocast_does_not_cast_the_fp32_gemm_back_down(how):
     lin, x = nn.Linear(32, 16), torch.randn(8, 32)
     recorder = Recorder()
-    with torch.autocast("cpu", dtype=torch.float16), recorder, EmulatedGemmMode(torch.float16):
+    with torch.autocast("cpu", dtype=torch.float16), recorder, emulating(torch.float16, how):
         out = lin(x)
     with torch.autocast("cpu", dtype=torch.float16):
         native = lin(x)
@@ -396,3 +424,55 @@ def test_a_pickled_or_copied_staging_starts_empty():
     staging.give([buf], None)
     for clone in (pickle.loads(pickle.dumps(staging)), copy.deepcopy(staging)):
         assert clone._free == [] and clone.take(torch.randn(1024, 512).half())[1] is not None
+
+
+# ------------------------------------------------------------------------------ a run's kernels at ADInplaceOrView
+
+
+def _has_kernel(op, key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)
+
+
+def test_a_run_registers_its_kernels_from_setup_to_remove_and_only_its_thread_emulates():
+    run, other = GemmEmulation("emulated"), GemmEmulation("emulated")
+    assert not _has_kernel(torch.ops.aten.mm.default, "ADInplaceOrView")
+    run.setup("cpu", torch.float16)
+    other.setup("cpu", torch.float16)  # holds add up: the kernels go with the last
+    assert _has_kernel(torch.ops.aten.mm.default, "ADInplaceOrView")
+    x = torch.randn(8, 8).half()
+
+    def calls(ctx) -> list:
+        recorder = Recorder()
+        with recorder, ctx:
+            assert (torch.mm(x, x) + x).dtype == torch.float16
+        return [call for call in recorder.calls if call[0] in ("mm", "add")]  # not the casts
+
+    try:
+        # only the GEMM is emulated; the add runs on the fp16 tensors, and outside the context nothing changes
+        assert calls(run.context()) == [("mm", {torch.float32}), ("add", {torch.float16})]
+        assert calls(contextlib.nullcontext()) == [("mm", {torch.float16}), ("add", {torch.float16})]
+        in_thread: list = []
+        with run.context():  # another thread of the process is not emulated
+            worker = threading.Thread(target=lambda: in_thread.append(calls(contextlib.nullcontext())))
+            worker.start()
+            worker.join()
+        assert in_thread == [[("mm", {torch.float16}), ("add", {torch.float16})]]
+    finally:
+        run.remove()
+        run.remove()  # idempotent
+        assert _has_kernel(torch.ops.aten.mm.default, "ADInplaceOrView")
+        other.remove()
+    assert not _has_kernel(torch.ops.aten.mm.default, "ADInplaceOrView")
+
+
+def test_an_op_without_a_derivative_refuses_tensors_that_require_grad_as_torch_does_at_backward():
+    run = GemmEmulation("emulated")
+    run.setup("cpu", torch.float16)
+    a, b = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4)
+    try:
+        with pytest.raises(NotImplementedError, match="_addmm_activation.*no derivative.*HINT: call it under"):
+            torch._addmm_activation(b, a, b)
+        with torch.no_grad():
+            assert torch.equal(torch._addmm_activation(b, a, b), torch.relu(torch.addmm(b, a, b)))
+    finally:
+        run.remove()

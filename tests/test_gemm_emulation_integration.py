@@ -28,9 +28,9 @@ def emulated_calls(monkeypatch):
     calls: list[str] = []
     real = ge._emulate
 
-    def spy(func, dtype, args, kwargs, staging):
+    def spy(func, dtype, args, kwargs, staging, **below):
         calls.append(func.overloadpacket.__name__)
-        return real(func, dtype, args, kwargs, staging)
+        return real(func, dtype, args, kwargs, staging, **below)
 
     monkeypatch.setattr(ge, "_emulate", spy)
     return calls

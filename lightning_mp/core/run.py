@@ -38,7 +38,7 @@ from lightning_mp.numerics.scheduler_guard import SchedulerGuard
 from lightning_mp.numerics.sharding import is_sharded
 from lightning_mp.numerics.step import MixedPrecisionStep
 from lightning_mp.policy.autopilot import Autopilot, split_auto
-from lightning_mp.policy.policy import Fp32Policy
+from lightning_mp.policy.policy import BF16_FP32_OPS, DEFAULT_FP32_OPS, Fp32Policy
 from lightning_mp.validation import check_bool
 
 log = logging.getLogger("lightning_mp.plugin")  # the name users filter on for the skip lines
@@ -54,7 +54,7 @@ class MixedPrecisionCore:
         *,
         master_weights: bool | str | None,
         loss_scale: str | float | None,
-        fp32_ops: Iterable[Any],
+        fp32_ops: Iterable[Any] | None,
         fp32_modules: str | Sequence[type[nn.Module] | str],
         calibration_steps: int,
         optimizer_state_dtype: torch.dtype | None,
@@ -78,7 +78,8 @@ class MixedPrecisionCore:
             loss_scale = self.format.default_loss_scale
         self.scaler = LossScaler.from_settings(loss_scale, scaler)
         classes, auto = split_auto(fp32_modules)
-        self.policy = Fp32Policy(fp32_ops, classes)
+        default_ops = BF16_FP32_OPS if self.format.dtype == torch.bfloat16 else DEFAULT_FP32_OPS  # bf16: FP32's range
+        self.policy = Fp32Policy(default_ops if fp32_ops is None else fp32_ops, classes)
         self.autopilot = Autopilot(self.format, calibration_steps, self.policy.keeps_fp32) if auto else None
         self.gemm = GemmEmulation(gemm)
         self.step = MixedPrecisionStep(self.scaler, check_finite=check_finite, fp32_grads=self.master_weights)
@@ -123,6 +124,7 @@ class MixedPrecisionCore:
         self.device_type = first.device.type if first is not None else "cpu"
         check_device_supports(self.format, self.device_type)
         verdict = self.gemm.setup(self.device_type, self.format.dtype) if self.format.is_16bit else ""
+        self._handles.append(self.gemm)  # emulated GEMMs: kernels registered until teardown
         if (self.scaler.dynamic or self.lean) and any(isinstance(opt, LBFGS) for opt in optimizers):
             raise ValueError(
                 "LBFGS re-evaluates its closure inside step(), so a step with an overflow cannot be skipped and "
@@ -136,8 +138,7 @@ class MixedPrecisionCore:
             self.lean.watch(optimizers)
             self.step.apply = self.lean.step
         if self.format.is_16bit:
-            # the op policy's kernels at the autocast keys, for the whole fit: the backward and activation
-            # checkpointing's recomputation (which replays autocast state) follow it too
+            # the op policy's kernels for the whole fit: backward and checkpointing's recomputation follow it too
             self._handles.append(self.policy.activate(on=policy_on))
             self._handles.append(self.policy.install(model, self.device_type))
             if self.autopilot is not None:

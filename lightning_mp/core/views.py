@@ -16,7 +16,7 @@ from lightning_mp.formats import Format
 from lightning_mp.gemm.emulation import GemmEmulation
 from lightning_mp.numerics.loss_scaler import LossScaler, ScalerSettings
 from lightning_mp.numerics.step import MixedPrecisionStep
-from lightning_mp.policy.ops import DEFAULT_FP32_MODULES, DEFAULT_FP32_OPS
+from lightning_mp.policy.ops import DEFAULT_FP32_MODULES
 from lightning_mp.policy.policy import Fp32Policy
 
 _S = ScalerSettings  # the scaler's knobs and their defaults are declared once, there
@@ -59,7 +59,7 @@ class CoreViews:
         *,
         master_weights: bool | str | None = None,
         loss_scale: str | float | None = "auto",
-        fp32_ops: Iterable[str | Callable] = DEFAULT_FP32_OPS,
+        fp32_ops: Iterable[str | Callable] | None = None,
         fp32_modules: str | Sequence[type[nn.Module] | str] = DEFAULT_FP32_MODULES,
         calibration_steps: int = 10,
         optimizer_state_dtype: torch.dtype | None = None,

@@ -14,7 +14,12 @@ FP32 copies and give back the memory 16 bits exist to save), autocast has alread
 does not cast the FP32 call back down, and the backward's GEMMs (``mm``, ``bmm``, ``convolution_backward``, the
 attention backward) pass through the same mode when it is active around ``backward()``. Inputs, outputs and
 gradients all keep the 16-bit dtype; only the temporaries inside one op are FP32 (2 bytes read, 4 written per
-operand element: the cost, with Python dispatch of every aten op, that keeps emulation above 1.0x FP32).
+operand element: the cost that keeps emulation above 1.0x FP32).
+
+A run (:class:`GemmEmulation` after ``setup``) does the same with kernels at the ``ADInplaceOrView`` dispatch key, the
+one below autograd (see ``_kernel``), registered for the GEMMs only, so no other aten op reaches Python (the mode
+makes a Python call for every one); it uses the mode only under ``torch.inference_mode``, whose tensors skip that
+key.
 
 Whether to emulate is decided per (device type, dtype): bf16 and fp16 differ on the same CPU.
 The verdict per (device type, dtype) comes from :mod:`lightning_mp.gemm.support`.
@@ -28,17 +33,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_mp.gemm.staging import _Staging
 from lightning_mp.gemm.support import GemmSupport, _dtype_name, _warn_slow_once, cpu_capability, gemm_support
 
 GEMM_CHOICES = ("auto", "native", "emulated")
 
 aten = torch.ops.aten
+_BELOW = torch._C._AutoDispatchBelowADInplaceOrView  # dispatch below autograd and ADInplaceOrView (see _kernel)
 
 # Every aten GEMM a transformer or a convnet runs on the CPU, forward and backward (checked with a logging
 # dispatch mode on Linear, matmul of 1-4 dims, einsum, Conv1d/2d/ConvTranspose2d, SDPA with and without mask
@@ -71,81 +80,15 @@ EMULATED_OPS: frozenset = frozenset(
 _FP32_OUTPUTS = {aten._scaled_dot_product_flash_attention_for_cpu.default: (1,)}
 
 
-def _dense(x: Tensor) -> bool:
-    """True when ``x``'s elements fill ``numel`` consecutive slots in some dimension order (contiguous,
-    channels-last, a transpose): then a flat buffer viewed with ``x``'s strides holds exactly ``x``."""
-    expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(x.stride(), x.size()) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-class _Staging:
-    """FP32 buffers reused for the up-cast operands of emulated ops (CPU only).
-
-    Why: glibc's ``malloc`` hands memory above its (adaptive) mmap threshold back to the kernel when it is freed, or
-    trims it off the top of the heap, and the kernel zeroes every 4 KiB page of the next such allocation on first
-    touch. Emulation makes two or three large FP32 copies per op where FP32 training makes none, and each one freed
-    and allocated again paid those faults: on this ResNet's 512x16x16x16 activations, 1 thread, a convolution
-    backward took 13.6 ms on tensors already in memory and 23.6 ms on three fresh copies of them. In a fresh process
-    (as a real run is) reusing the copies took the demo ResNet's fp16 step from 201 to 139-148 ms median (FP32:
-    110-124 ms; `AVX512` CPU, 2 threads); a process whose heap earlier runs had grown showed no difference.
-
-    Cost: at most :attr:`KEEP` flat buffers stay allocated between the ops of one forward or one backward, the
-    largest operands seen (4 bytes per element; ~10 MiB more at the ResNet's peak), and none between steps; operands under :attr:`MIN_BYTES` (served from malloc's heap
-    without faults) are copied as before. The FP32 results of the ops are new tensors (no ``out=`` for
-    convolutions) and still pay them.
-    """
-
-    MIN_BYTES = 1 << 20
-    KEEP = 4
-
-    def __init__(self) -> None:
-        self._free: list[Tensor] = []
-        self._lock = threading.Lock()
-
-    def __reduce__(self):  # a pickled plugin (ddp_spawn) or a deepcopy starts with no buffers and its own lock
-        return (type(self), ())
-
-    def take(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
-        """An FP32 copy of ``x`` with its sizes and strides, and the pooled buffer under it (None: not pooled)."""
-        n = x.numel()
-        if n * 4 < self.MIN_BYTES or x.device.type != "cpu" or not _dense(x):
-            return x.to(torch.float32), None
-        with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.numel() >= n]
-            buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel())) if fits else None
-        if buf is None:
-            buf = torch.empty(n, dtype=torch.float32, device=x.device)
-        view = buf.as_strided(x.size(), x.stride())  # dense and non-overlapping: exactly n elements from 0
-        view.copy_(x)
-        return view, buf
-
-    def clear(self) -> None:
-        """Let the buffers go (at the end of each forward and each backward): none are held between steps."""
-        with self._lock:
-            self._free.clear()
-
-    def give(self, bufs: list[Tensor], out) -> None:
-        """Return ``bufs`` for reuse, except any an output of the op lives in (then it is the output's now)."""
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        used = {o.untyped_storage().data_ptr() for o in outs if isinstance(o, Tensor)}
-        with self._lock:
-            self._free.extend(b for b in bufs if b.untyped_storage().data_ptr() not in used)
-            if len(self._free) > self.KEEP:  # keep the largest: a large buffer serves every smaller operand
-                self._free = sorted(self._free, key=Tensor.numel)[-self.KEEP :]
-
-
 @functools.lru_cache(maxsize=None)
 def _composite(func) -> bool:
     """Whether ``func`` is defined by other aten ops (CompositeImplicitAutograd), so it can be decomposed."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 
 
-def _emulate(func, dtype: torch.dtype, args: tuple, kwargs: dict, staging: _Staging):
-    """``func`` in FP32 on the ``dtype`` operands, its results rounded (nearest-even) back to ``dtype``."""
+def _emulate(func, dtype: torch.dtype, args: tuple, kwargs: dict, staging: _Staging, below: bool = False):
+    """``func`` in FP32 on the ``dtype`` operands, its results rounded (nearest-even) back to ``dtype``; ``below``:
+    called from the ADInplaceOrView kernel, so the FP32 call goes on below that key."""
     bufs: list[Tensor] = []
 
     def up(x):
@@ -156,7 +99,8 @@ def _emulate(func, dtype: torch.dtype, args: tuple, kwargs: dict, staging: _Stag
             bufs.append(buf)
         return x32
 
-    out = func(*[up(a) for a in args], **{k: up(v) for k, v in kwargs.items()})
+    with _BELOW() if below else contextlib.nullcontext():
+        out = func(*[up(a) for a in args], **{k: up(v) for k, v in kwargs.items()})
     if isinstance(out, Tensor):
         result = out.to(dtype)
     else:
@@ -202,6 +146,70 @@ class EmulatedGemmMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The same as kernels at the ADInplaceOrView key, for a run's training steps: only the GEMMs pay a Python call.
+# ----------------------------------------------------------------------------------------------------------------
+# ADInplaceOrView sits below autograd and autocast and above the backends, and every tensor that is not an inference
+# tensor carries it, requires_grad or not: a kernel there sees the op as the mode does (autograd has recorded the
+# 16-bit op and saves the 16-bit operands; autocast has cast them down), and the FP32 call goes on below it to the
+# backend. Unlike the mode, the other aten ops never reach Python: on the small transformers.GPT-2 of
+# benchmarks/zoo.py a step makes about 600 aten calls and 60 GEMMs. Tensors made under torch.inference_mode lack the
+# key, so under inference mode (Lightning's validate, test, predict) the mode runs instead.
+class _Emulating(threading.local):
+    """The thread's emulation while a run's context is entered: (dtype, staging), else None. Per thread, as the
+    mode is: the CPU backward runs on the thread that calls ``backward()``."""
+
+    def __init__(self) -> None:
+        self.state: tuple[torch.dtype, _Staging] | None = None
+
+
+_EMULATING = _Emulating()
+_KERNELS: list[Any] = [0, None]  # [holds, the torch.library.Library holding the kernels]
+_KERNELS_LOCK = threading.Lock()
+
+
+# Ops with no derivative in torch: their autograd kernel is torch's "not implemented" fallback, which calls the op
+# below ADInplaceOrView, so their kernels sit at the Autograd key instead (the fused inference paths, and the
+# flash attention's backward, which runs inside the backward with no graph to record).
+_NO_DERIVATIVE = frozenset({
+    aten._addmm_activation.default, aten._native_multi_head_attention.default,
+    aten._transformer_encoder_layer_fwd.default, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+})
+
+
+def _kernel(op: Any) -> Callable[..., Any]:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        state = _EMULATING.state
+        if op in _NO_DERIVATIVE and torch.is_grad_enabled() and any(
+            isinstance(a, Tensor) and a.requires_grad for a in args
+        ):
+            raise NotImplementedError(f"{op} has no derivative in torch, so it cannot run on tensors that require "
+                                      "grad. HINT: call it under torch.no_grad().")
+        if state is not None and any(isinstance(a, Tensor) and a.dtype == state[0] for a in args):
+            return _emulate(op, state[0], args, kwargs, state[1], below=True)
+        with _BELOW():  # on to the backend's kernel (and any dispatch mode under this key)
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+def _hold_kernels(delta: int) -> None:
+    """One more (``+1``) or one less (``-1``) run holding the kernels; the first registers them, the last takes
+    them out (a table update per op: once per fit, not per step)."""
+    with _KERNELS_LOCK:
+        _KERNELS[0] += delta
+        if _KERNELS[0] == 1 and _KERNELS[1] is None:
+            lib = torch.library.Library("aten", "IMPL")
+            for op in EMULATED_OPS:
+                overload = "" if op._overloadname == "default" else f".{op._overloadname}"
+                key = "Autograd" if op in _NO_DERIVATIVE else "ADInplaceOrView"
+                lib.impl(op._schema.name.split("::")[1] + overload, _kernel(op), key)
+            _KERNELS[1] = lib
+        elif _KERNELS[0] == 0 and _KERNELS[1] is not None:
+            _KERNELS[1]._destroy()
+            _KERNELS[1] = None
+
+
 class GemmEmulation:
     """The ``gemm=`` knob and its verdict for one run: ``"auto"`` emulates where 16-bit GEMMs are not native,
     ``"native"`` always uses torch's 16-bit kernels (warning once where they are slow), ``"emulated"`` always
@@ -219,6 +227,7 @@ class GemmEmulation:
         self.support: GemmSupport | None = None
         self.emulated = False
         self._staging = _Staging()  # shared by every step's mode: its buffers outlive one op
+        self._release: weakref.finalize | None = None  # this run's hold on the kernels (from setup to remove)
 
     def setup(self, device_type: str, dtype: torch.dtype) -> str:
         """Decide for this run (detection is cached per process), warn once if 16-bit is slow and emulation is
@@ -231,18 +240,37 @@ class GemmEmulation:
         self.emulated = self.gemm == "emulated" or (self.gemm == "auto" and not self.support.native)
         if not self.support.native and not self.emulated:
             _warn_slow_once(self.support)
+        if self.emulated and self._release is None:
+            _hold_kernels(+1)
+            self._release = weakref.finalize(self, _hold_kernels, -1)  # also if the run is dropped without remove
         return self.describe()
 
+    def remove(self) -> None:
+        """The end of the run: its hold on the kernels goes (idempotent; the mode needs none)."""
+        if self._release is not None:
+            self._release()  # a finalizer runs once
+            self._release = None
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy (ddp_spawn's pickle, deepcopy) holds nothing until its setup
+        return {**self.__dict__, "_release": None}
+
     def context(self) -> contextlib.AbstractContextManager:
-        """The mode where emulation is in force, else a no-op (native runs pay nothing)."""
+        """Emulation where it is in force, else a no-op (native runs pay nothing): the kernels after ``setup``,
+        the mode under ``torch.inference_mode`` or without a hold."""
         return self._emulating() if self.emulated else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _emulating(self) -> Iterator[None]:
+        before = _EMULATING.state
         try:
-            with EmulatedGemmMode(self.dtype, self._staging):
+            if self._release is not None and not torch.is_inference_mode_enabled():
+                _EMULATING.state = (self.dtype, self._staging)
                 yield
+            else:
+                with EmulatedGemmMode(self.dtype, self._staging):
+                    yield
         finally:
+            _EMULATING.state = before
             self._staging.clear()  # reused within one forward or one backward, released between them
 
     def describe(self) -> str:

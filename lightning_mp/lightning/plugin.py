@@ -45,8 +45,11 @@ class MixedPrecisionPlugin(CoreViews, Precision):
             AdamW instead of 18, bit for bit the same training (``docs/behaviour.md``).
         loss_scale: ``"dynamic"``, a positive number (static scale), ``None`` (no scaling), or ``"auto"``
             (default): ``"dynamic"`` for fp16, ``None`` for bf16 and fp32.
-        fp32_ops: ops that always compute in FP32 under autocast (names or torch callables), default
-            :data:`lightning_mp.DEFAULT_FP32_OPS`; kernels at torch's autocast dispatch keys for the whole fit.
+        fp32_ops: ops that always compute in FP32 under autocast (names or torch callables); kernels at torch's
+            autocast dispatch keys for the whole fit. ``None`` (default): the format's list,
+            :data:`lightning_mp.DEFAULT_FP32_OPS` in fp16, :data:`lightning_mp.BF16_FP32_OPS` in bf16 (the same
+            without the transcendentals listed for fp16's range). Ops of ``DEFAULT_FP32_OPS`` left out run in 16
+            bits on every device, also where autocast's own list would run them in FP32.
         fp32_modules: module classes whose whole subtree (parameters and forward, children included) stays FP32,
             default :data:`lightning_mp.DEFAULT_FP32_MODULES` (norm, recurrent and embedding layers). ``"auto"``:
             those, plus the module *instances* the precision autopilot moves to FP32 when their outputs near the

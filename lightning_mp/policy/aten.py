@@ -115,6 +115,10 @@ class Rule(NamedTuple):
     kind: str
     dtype_index: int = -1  # SET_DTYPE: position of dtype in the schema
     dtype_kwarg_only: bool = False
+    # an op of the default table the policy leaves out, where autocast itself would run it in FP32: the kernel
+    # calls it as given (16 bits), as autocast does for an op on none of its lists; `kind` is what autocast's own
+    # FP32 kernel did (for a kernel that no hold switches on)
+    lower: bool = False
 
 
 class OpReach(NamedTuple):
@@ -197,13 +201,19 @@ def _autocast_fp32(key: str, overload: str) -> bool:
         return False
 
 
-def kernel_plan(packets: frozenset[str]) -> dict[tuple[str, str], Rule]:
+def kernel_plan(packets: frozenset[str], lowered: frozenset[str] = frozenset()) -> dict[tuple[str, str], Rule]:
     """(autocast key, overload) -> rule for every overload of ``packets`` that autocast does not already run in
-    FP32 on that key."""
+    FP32 on that key, and (``rule.lower``) for every overload of ``lowered`` (the aten ops of the default table's
+    names the policy leaves out) that autocast does run in FP32 on that key."""
     plan: dict[tuple[str, str], Rule] = {}
     for packet in sorted(packets):
         for overload, rule in _overloads(packet):
             for key in AUTOCAST_KEYS:
                 if not _autocast_fp32(key, overload):
                     plan[(key, overload)] = rule
+    for packet in sorted(lowered - packets):
+        for overload, rule in _overloads(packet):
+            for key in AUTOCAST_KEYS:
+                if _autocast_fp32(key, overload) and not overload.endswith(".vec"):
+                    plan[(key, overload)] = rule._replace(lower=True)
     return plan

@@ -28,6 +28,7 @@ def describe_policy(
     modules: tuple[type[nn.Module], ...],
     reach: Mapping[str, OpReach] | None = None,
     python_only: frozenset[str] = frozenset(),
+    unlisted: frozenset[str] = frozenset(),
 ) -> str:
     """Markdown tables of the FP32 ops (canonical name -> its ``(label, callable)`` pairs, and where each becomes
     FP32: the aten ops its kernels sit on, or how a pure-Python composite is handled) and of the FP32 module
@@ -57,7 +58,13 @@ def describe_policy(
                 callables = ", ".join(f"`{label}`" for label, _ in aliases[name])
                 lines.append(f"| `{name}` | {callables} | {_where(name, reach, python_only)} |")
     else:
-        lines.append("_None: every op follows autocast's own lists._")
+        lines.append("_None._")
+    if unlisted:
+        lines += [
+            "",
+            "Left out of `DEFAULT_FP32_OPS`, so computed in the 16-bit format on every device (where autocast's own "
+            "list would run one in FP32, a kernel keeps it in 16 bits): " + ", ".join(f"`{n}`" for n in sorted(unlisted)),
+        ]
     lines += ["", "#### Modules kept in FP32 (parameters and forward)", ""]
     if modules:
         lines += ["| Module class | Covers | Why FP32 |", "|---|---|---|"]

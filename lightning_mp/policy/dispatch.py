@@ -5,8 +5,10 @@ How it works
 ``torch.autocast`` is a dispatch key (``AutocastCPU``, ``AutocastCUDA``) that sits above autograd: while
 autocast is on, every op on a tensor of that device passes it, and for most ops the key falls through at no
 cost. ``activate(plan)`` registers, with ``torch.library``, a small Python kernel at that key for each listed
-aten overload that autocast does not already run in FP32 (:func:`lightning_mp.policy.aten.kernel_plan`). The
-kernel upcasts 16-bit floating tensor arguments to FP32 (or, for ops with an optional ``dtype``, passes
+aten overload that autocast does not already run in FP32 (:func:`lightning_mp.policy.aten.kernel_plan`), and,
+for the default table's ops the plan leaves out where autocast's own list runs them in FP32 (CUDA's transcendentals
+in bf16), a kernel that calls them as given, in 16 bits, so that an unlisted op is 16-bit on every device. The
+FP32 kernel upcasts 16-bit floating tensor arguments to FP32 (or, for ops with an optional ``dtype``, passes
 ``dtype=torch.float32`` as CUDA autocast does: the kernel converts on the fly where it can), then calls the op
 with the autocast keys excluded, exactly as autocast's own FP32 kernels do. ``remove()`` deregisters it:
 another autocast user in the process (Lightning's ``bf16-mixed``) then sees torch's autocast unchanged.
@@ -79,10 +81,8 @@ def switched_on(plan: frozenset[tuple[str, str, Rule]]) -> Iterator[None]:
 
 def _switch(plan: frozenset[tuple[str, str, Rule]], delta: int) -> None:
     with _LOCK:
-        for key, overload, _ in plan:
-            entry = _KERNELS.get((key, overload))
-            if entry is not None:
-                entry[2][0] += delta
+        for cell in _CELLS.get(plan, ()):  # a counter per kernel, listed once per plan (a few us per switch)
+            cell[0] += delta
 
 
 def _autocast_off(op: Any, key: str, overload: str) -> Callable[..., Any] | None:
@@ -106,11 +106,24 @@ def _autocast_off(op: Any, key: str, overload: str) -> Callable[..., Any] | None
     return fallthrough
 
 
-def _make_kernel(op: Any, rule: Rule, off: Callable[..., Any] | None, on: list[int]) -> Callable[..., Any]:
+def _make_kernel(
+    op: Any, rule: Rule, off: Callable[..., Any] | None, on: list[int], fp32_elsewhere: Callable[[], bool] = bool
+) -> Callable[..., Any]:
     """The kernel of one overload (``off``: what runs while no hold switches the kernels on). The dispatcher passes
     the schema's positional arguments positionally (trailing defaults dropped) and keyword-only ones by name (only
     when given)."""
     exclude = torch._C._ExcludeDispatchKeyGuard
+
+    if rule.lower:  # an unlisted op autocast would run in FP32: as given, as for an op on none of its lists
+        fp32 = _make_kernel(op, rule._replace(lower=False), None, [1])  # autocast's own FP32 treatment
+
+        def lower_kernel(*args: Any, **kwargs: Any) -> Any:
+            if not on[0] or fp32_elsewhere():  # plans that disagree: FP32 wins (see _register)
+                return fp32(*args, **kwargs)
+            with exclude(_NO_AUTOCAST):
+                return op(*args, **kwargs)
+
+        return lower_kernel
 
     if rule.kind == SET_DTYPE:
         index, kwarg_only = rule.dtype_index, rule.dtype_kwarg_only
@@ -151,25 +164,34 @@ def _op(overload: str) -> Callable[..., Any]:
     return getattr(getattr(torch.ops.aten, packet), name or "default")
 
 
-# (autocast key, overload) -> [number of active plans that list it, the Library holding its kernel]
+# (autocast key, overload) -> [holds, the Library holding its kernel, [holds that switch it on], rule.lower]
 _KERNELS: dict[tuple[str, str], list[Any]] = {}
-# active plans (frozensets of (key, overload, rule)) -> number of handles holding each
+# active plans (frozensets of (key, overload, rule)) -> number of handles holding each, and the kernels' switches
 _PLANS: dict[frozenset[tuple[str, str, Rule]], int] = {}
+_CELLS: dict[frozenset[tuple[str, str, Rule]], list[list[int]]] = {}
 _LOCK = threading.Lock()
 
 
 def _register(key: str, overload: str, rule: Rule) -> list[Any]:
-    """[holds, the Library holding the kernel, [holds that switch it on]] for one overload."""
+    """[holds, the Library holding the kernel, [holds that switch it on], rule.lower] for one overload. A kernel
+    that keeps an op in 16 bits computes it in FP32 while another plan switched on computes the same overload in FP32
+    at the other device's key (a bf16 and an fp16 fit in one process: CUDA autocast runs `exp` in FP32 itself, so
+    the fp16 plan shows its wish only at the CPU key)."""
     lib = torch.library.Library("aten", "IMPL")
     on = [0]
+    others = [(other, overload) for other in ("AutocastCPU", "AutocastCUDA") if other != key]
+
+    def fp32_elsewhere() -> bool:
+        return any((e := _KERNELS.get(name)) is not None and e[2][0] > 0 and not e[3] for name in others)
+
     with warnings.catch_warnings():
         # overriding a kernel of autocast's own (a user-listed "matmul", CUDA's refusal of binary_cross_entropy)
         # warns once per process; the override is the point, and remove() restores autocast's kernel
         warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
         op = _op(overload)
         off = _autocast_off(op, key, overload)  # asked before the registration replaces autocast's own kernel
-        lib.impl(overload, _make_kernel(op, rule, off, on), key)
-    return [0, lib, on]
+        lib.impl(overload, _make_kernel(op, rule, off, on, fp32_elsewhere), key)
+    return [0, lib, on, rule.lower]
 
 
 class Fp32Activation:
@@ -196,6 +218,7 @@ class Fp32Activation:
                     del _PLANS[plan]
                     _drop(done)
                     raise
+                _CELLS[plan] = [_KERNELS[name][2] for name in done]
         if on:
             _switch(plan, 1)
 
@@ -214,6 +237,7 @@ class Fp32Activation:
             if count:
                 _PLANS[plan] = count
             else:
+                del _CELLS[plan]
                 _drop([(key, overload) for key, overload, _ in plan])
 
     def __enter__(self) -> Fp32Activation:

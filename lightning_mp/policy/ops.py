@@ -163,6 +163,27 @@ and ``mean``/``nanmean``/``nansum`` (same numerics as ``sum``). ``var``/``std`` 
 Entries are plain names; see ``Fp32Policy`` for what a name covers.
 """
 
+FP16_RANGE_OPS: frozenset[str] = frozenset(
+    next(names for group, _, names in _OP_GROUPS if group == "pointwise transcendentals")
+)
+"""The pointwise transcendentals: listed for fp16's range (``exp`` overflows above 11.09, ``pow(x, 2)`` above 256).
+bf16 has FP32's exponent range, and torch computes a 16-bit pointwise op in FP32 inside the kernel (its "opmath"
+type, on CPU and CUDA) and rounds the result to bf16: within half a bf16 ulp of the exact value, 1.5 for ``pow``
+with an integer exponent of 3 or more and the CPU's vectorised ``rsqrt`` (tests/test_fp32_dispatch.py). So in bf16
+listing one buys about an ulp of the op's own result and changes its output's dtype: an FP32 output turns the ops that consume it into mixed-dtype FP32 ops
+(GPT-2's GELU, ``x * (1 + tanh(c * (x + a * x**3)))``, then runs in FP32: 1.9 against 1.1 ms for its forward and
+backward at 512 x 256 on a CPU, where Lightning's ``bf16-mixed`` keeps it in 16 bits)."""
+
+BF16_FP32_OPS: frozenset[str] = DEFAULT_FP32_OPS - FP16_RANGE_OPS - {
+    # pure-Python composites FP32 only through a range op they call (see policy.aten._COMPOSITE_VIA); their
+    # reductions, softmax and losses stay FP32
+    "gaussian_nll_loss", "gumbel_softmax", "local_response_norm",
+}
+"""The bf16 default: ``DEFAULT_FP32_OPS`` without ``FP16_RANGE_OPS``, which run in bf16 on every device (where
+autocast's own list runs one in FP32, CUDA's does for all of them, the policy keeps it in bf16: see
+``Fp32Policy``). The softmax family, normalisation, losses, distances and reductions, the ops whose accuracy FP32
+buys, stay."""
+
 # Extra callables that belong to an op name but are not found under that name in
 # the torch namespaces (operator dunders, native aliases).
 _EXTRA_ALIASES: dict[str, tuple[tuple[str, str], ...]] = {

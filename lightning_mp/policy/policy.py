@@ -35,6 +35,7 @@ from lightning_mp.policy.mode import _Fp32OpMode
 from lightning_mp.policy.modules import Fp32ModuleHandle, _Fp32ForwardHooks
 from lightning_mp.policy.ops import (
     _DTYPE_OPS,
+    BF16_FP32_OPS,
     DEFAULT_FP32_MODULES,
     DEFAULT_FP32_OPS,
     EMBEDDING_MODULES,
@@ -44,6 +45,7 @@ from lightning_mp.policy.ops import (
 from lightning_mp.policy.names import validate_modules, validate_ops
 
 __all__ = [
+    "BF16_FP32_OPS",
     "DEFAULT_FP32_MODULES",
     "Fp32Activation",
     "DEFAULT_FP32_OPS",
@@ -55,11 +57,6 @@ __all__ = [
 ]
 
 OpSpec = Union[str, Callable[..., Any]]
-# --------------------------------------------------------------------------------------
-# The policy.
-# --------------------------------------------------------------------------------------
-
-
 _NULL_CONTEXT = contextlib.nullcontext()
 
 
@@ -148,6 +145,11 @@ class Fp32Policy:
         )
         if self._python_only:
             _warn_python_only(self._python_only, self._reach)
+        # The table's names left out: 16 bits on every device, also where autocast's own list says FP32 (CUDA's exp)
+        self._unlisted = DEFAULT_FP32_OPS - self._ops
+        self._lowered = frozenset(
+            packet for name, found in validate_ops(self._unlisted).items() for packet in reach_of(name, found).packets
+        ) - self._packets
         self._table: dict[Callable[..., Any], bool] = {
             func: name in _DTYPE_OPS for name in self._python_only for _, func in self._aliases[name]
         }
@@ -185,7 +187,7 @@ class Fp32Policy:
     def kernel_plan(self) -> frozenset[tuple[str, str, Any]]:
         """(autocast key, aten overload, rule) for every kernel :meth:`activate` registers (computed once)."""
         if self._plan is None:
-            plan = kernel_plan(self._packets)
+            plan = kernel_plan(self._packets, self._lowered)
             self._plan = frozenset((key, overload, rule) for (key, overload), rule in plan.items())
         return self._plan
 
@@ -280,7 +282,7 @@ class Fp32Policy:
 
     def describe(self) -> str:
         """Markdown tables of the FP32 ops and modules (for printing or a README)."""
-        return describe_policy(self._aliases, self._modules, self._reach, self._python_only)
+        return describe_policy(self._aliases, self._modules, self._reach, self._python_only, self._unlisted)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Fp32Policy):
