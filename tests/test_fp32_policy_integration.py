@@ -163,3 +163,40 @@ def test_lstm_that_crashes_lightnings_16_mixed_on_this_cpu_trains_with_the_plugi
     assert plugin.optimizer_steps == 3
     if not native_crashed:  # oneDNN builds differ; ours must train either way
         pytest.skip("this CPU's oneDNN has an FP16 LSTM: Lightning's 16-mixed did not crash here")
+
+
+class BatchNormRegressor(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        loss = F.mse_loss(self.net(batch[0]).float(), batch[1])
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _fit_batch_norm(plugin):
+    torch.manual_seed(0)
+    model = BatchNormRegressor()
+    L.Trainer(plugins=plugin, max_epochs=3, **trainer_kwargs()).fit(model, regression_data())
+    return model
+
+
+@pytest.mark.parametrize("master_weights", [True, "compensated"])
+def test_batch_norm_left_16_bit_by_both_lists_is_refused_at_setup_with_the_two_fixes(master_weights):
+    """16-bit BatchNorm weights beside FP32 running statistics crash inside torch's batch_norm on the first forward;
+    the plugin says so before training, and either documented fix trains as FP32 does."""
+    with pytest.raises(ValueError, match=r"BatchNorm1d 'net.1' would run with 16-bit weights and FP32 running "
+                                         r"statistics.*HINT: keep 'batch_norm' in fp32_ops"):
+        _fit_batch_norm(MixedPrecisionPlugin("bf16", master_weights=master_weights, fp32_ops=(), fp32_modules=()))
+    reference = _fit_batch_norm([])  # FP32
+    for fixed in (dict(fp32_ops=("batch_norm",), fp32_modules=()), dict(fp32_ops=())):
+        losses = _fit_batch_norm(MixedPrecisionPlugin("bf16", master_weights=master_weights, **fixed)).losses
+        assert losses[-1] < 0.5 * losses[0]
+        # the same training as FP32, to bf16's rounding of the activations and weights
+        assert abs(losses[-1] - reference.losses[-1]) <= 0.1 * reference.losses[-1] + 2**-8

@@ -38,7 +38,7 @@ from lightning_mp.numerics.scheduler_guard import SchedulerGuard
 from lightning_mp.numerics.sharding import is_sharded
 from lightning_mp.numerics.step import MixedPrecisionStep
 from lightning_mp.policy.autopilot import Autopilot, split_auto
-from lightning_mp.policy.policy import BF16_FP32_OPS, DEFAULT_FP32_OPS, Fp32Policy
+from lightning_mp.policy.policy import BF16_FP32_OPS, DEFAULT_FP32_OPS, Fp32Policy, refuse_16_bit_batch_norm
 from lightning_mp.validation import check_bool
 
 log = logging.getLogger("lightning_mp.plugin")  # the name users filter on for the skip lines
@@ -95,6 +95,8 @@ class MixedPrecisionCore:
     def convert(self, module: nn.Module) -> nn.Module:
         """Watch ``module``'s parameters as FP32 masters (several calls: several models in one store)."""
         self.sharded = is_sharded(module)
+        if self.master_weights or self.lean is not None:  # parameters that become 16-bit copies or bf16 Parameters
+            refuse_16_bit_batch_norm(module, self._keeps_fp32, self.policy.ops)
         if self.lean is not None:
             if self.sharded:
                 raise ValueError("master_weights='compensated' does not shard its remainders with FSDP2 yet. HINT: "
@@ -144,8 +146,7 @@ class MixedPrecisionCore:
             if self.autopilot is not None:
                 self.autopilot.attach(root, self.device_type)
                 self._handles.append(self.autopilot)
-        if self.locate_overflows:
-            # nothing on a clean step; a skip names the first non-finite gradient (backward order), arms the forward
+        if self.locate_overflows:  # nothing on a clean step; a skip names the first non-finite gradient
             locator = self.locator = OverflowLocator(root, input_grads=False, forward=False)
             self.step.on_overflow = lambda optimizer: locator.locate_gradients(self.named_grads(optimizer))
             self._handles.append(locator)
@@ -182,8 +183,7 @@ class MixedPrecisionCore:
         if not self.format.is_16bit:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
-        # autocast as well as 16-bit copies: tensors built inside the forward and parameters read outside their
-        # module's forward still get 16-bit matrix products; for the copies autocast's casts are no-ops
+        # autocast too: tensors built in the forward and parameters read outside their module get 16-bit GEMMs
         stack.enter_context(torch.autocast(self.device_type, dtype=self.format.dtype))
         stack.enter_context(self.policy.op_context())
         stack.enter_context(self.gemm.context())

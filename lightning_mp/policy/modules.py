@@ -162,3 +162,20 @@ class Fp32ModuleHandle:
     def __repr__(self) -> str:
         state = "installed" if self._handles else "removed"
         return f"Fp32ModuleHandle({len(self.modules)} modules, {state})"
+
+
+def refuse_16_bit_batch_norm(root: nn.Module, keeps_fp32: Any, ops: frozenset[str]) -> None:
+    """Raise where a BatchNorm would get 16-bit weights beside its FP32 running statistics with ``batch_norm`` not
+    in ``fp32_ops``: torch's batch_norm kernels refuse that mix ("expected scalar type BFloat16 but found Float")
+    on the first forward. Listed, the policy's kernel upcasts all of it; kept FP32, the weights match the
+    statistics."""
+    if "batch_norm" in ops:
+        return
+    for name, module in root.named_modules():
+        if isinstance(module, _BatchNorm) and module.affine and module.track_running_stats and not keeps_fp32(module):
+            raise ValueError(
+                f"{type(module).__name__} {name!r} would run with 16-bit weights and FP32 running statistics, which "
+                "torch's batch_norm refuses: fp32_modules leaves it out and fp32_ops has no 'batch_norm'. HINT: keep "
+                "'batch_norm' in fp32_ops or the BatchNorm classes (NORM_MODULES) in fp32_modules, as the defaults do."
+            )
+

@@ -32,7 +32,7 @@ from lightning_mp.policy.aten import OpReach, kernel_plan, reach_of
 from lightning_mp.policy.describe import describe_policy
 from lightning_mp.policy.dispatch import Fp32Activation, switched_on
 from lightning_mp.policy.mode import _Fp32OpMode
-from lightning_mp.policy.modules import Fp32ModuleHandle, _Fp32ForwardHooks
+from lightning_mp.policy.modules import Fp32ModuleHandle, _Fp32ForwardHooks, refuse_16_bit_batch_norm
 from lightning_mp.policy.ops import (
     _DTYPE_OPS,
     BF16_FP32_OPS,
@@ -54,6 +54,7 @@ __all__ = [
     "RECURRENT_MODULES",
     "Fp32ModuleHandle",
     "Fp32Policy",
+    "refuse_16_bit_batch_norm",
 ]
 
 OpSpec = Union[str, Callable[..., Any]]
