@@ -420,3 +420,25 @@ def test_a_listed_module_computes_in_fp32_through_its_subtree_also_with_16_bit_p
     # the child Linear and the listed norms ran in FP32 on upcast copies of their bf16 parameters
     assert eager.dtype == compiled.dtype == torch.float32
     torch.testing.assert_close(compiled, eager)
+
+
+def test_a_hold_released_by_a_finalizer_inside_a_registration_does_not_deadlock(monkeypatch) -> None:
+    """A dropped Fabric plugin releases its kernels from a finalizer, whenever the collector runs: also in the
+    middle of another plugin's registration on the same thread (it hung the suite once). Simulated at the worst
+    moment: inside every kernel registration."""
+    from lightning_mp.policy import dispatch
+
+    dropped = Fp32Policy(ops={"exp"}, modules=()).activate()
+    real = dispatch._register
+
+    def register_while_collecting(*args):
+        dropped.remove()  # what the finalizer does
+        return real(*args)
+
+    monkeypatch.setattr(dispatch, "_register", register_while_collecting)
+    worker = threading.Thread(target=lambda: Fp32Policy(ops={"log"}, modules=()).activate().remove(), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "deadlocked"
+    assert not dropped.active
+

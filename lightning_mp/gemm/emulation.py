@@ -165,7 +165,7 @@ class _Emulating(threading.local):
 
 _EMULATING = _Emulating()
 _KERNELS: list[Any] = [0, None]  # [holds, the torch.library.Library holding the kernels]
-_KERNELS_LOCK = threading.Lock()
+_KERNELS_LOCK = threading.RLock()  # re-entrant: a dropped run's finalizer may release its hold inside a registration
 
 
 # Ops with no derivative in torch: their autograd kernel is torch's "not implemented" fallback, which calls the op

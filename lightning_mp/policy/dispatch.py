@@ -169,7 +169,9 @@ _KERNELS: dict[tuple[str, str], list[Any]] = {}
 # active plans (frozensets of (key, overload, rule)) -> number of handles holding each, and the kernels' switches
 _PLANS: dict[frozenset[tuple[str, str, Rule]], int] = {}
 _CELLS: dict[frozenset[tuple[str, str, Rule]], list[list[int]]] = {}
-_LOCK = threading.Lock()
+# Re-entrant: a collected Fabric plugin's finalizer releases its hold from wherever the collector runs, which can be
+# inside a registration on this thread (an allocation there triggers it); a plain Lock deadlocked there.
+_LOCK = threading.RLock()
 
 
 def _register(key: str, overload: str, rule: Rule) -> list[Any]:
