@@ -178,9 +178,11 @@ _NO_DERIVATIVE = frozenset({
 
 
 def _kernel(op: Any) -> Callable[..., Any]:
+    no_derivative = op in _NO_DERIVATIVE  # decided once per kernel, not per call
+
     def kernel(*args: Any, **kwargs: Any) -> Any:
         state = _EMULATING.state
-        if op in _NO_DERIVATIVE and torch.is_grad_enabled() and any(
+        if no_derivative and torch.is_grad_enabled() and any(
             isinstance(a, Tensor) and a.requires_grad for a in args
         ):
             raise NotImplementedError(f"{op} has no derivative in torch, so it cannot run on tensors that require "

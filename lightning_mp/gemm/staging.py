@@ -31,9 +31,9 @@ class _Staging:
     110-124 ms; `AVX512` CPU, 2 threads); a process whose heap earlier runs had grown showed no difference.
 
     Cost: at most :attr:`KEEP` flat buffers stay allocated between the ops of one forward or one backward, the
-    largest operands seen (4 bytes per element; ~10 MiB more at the ResNet's peak), and none between steps; operands under :attr:`MIN_BYTES` (served from malloc's heap
-    without faults) are copied as before. The FP32 results of the ops are new tensors (no ``out=`` for
-    convolutions) and still pay them.
+    largest operands seen (4 bytes per element; ~10 MiB more at the ResNet's peak), and none between steps;
+    operands under :attr:`MIN_BYTES` (served from malloc's heap without faults) are copied as before. The FP32
+    results of the ops are new tensors (no ``out=`` for convolutions) and still pay them.
     """
 
     MIN_BYTES = 1 << 20

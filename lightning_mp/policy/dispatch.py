@@ -47,7 +47,7 @@ import torch
 from torch._C import DispatchKey, DispatchKeySet
 
 from lightning_mp.formats import HALF_DTYPES, upcast
-from lightning_mp.policy.aten import BATCH_NORM, SET_DTYPE, Rule
+from lightning_mp.policy.aten import AUTOCAST_KEYS, BATCH_NORM, SET_DTYPE, Rule
 from lightning_mp.policy.mode import _native_mixed_batch_norm
 
 # Autocast's own FP32 kernels exclude every autocast key for the inner call; so do these, so the op (and the ops
@@ -181,7 +181,7 @@ def _register(key: str, overload: str, rule: Rule) -> list[Any]:
     the fp16 plan shows its wish only at the CPU key)."""
     lib = torch.library.Library("aten", "IMPL")
     on = [0]
-    others = [(other, overload) for other in ("AutocastCPU", "AutocastCUDA") if other != key]
+    others = [(other, overload) for other in AUTOCAST_KEYS if other != key]
 
     def fp32_elsewhere() -> bool:
         return any((e := _KERNELS.get(name)) is not None and e[2][0] > 0 and not e[3] for name in others)

@@ -10,6 +10,7 @@ post-hook switches it back. Both are plain tensor ops and autocast setters that 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -164,7 +165,7 @@ class Fp32ModuleHandle:
         return f"Fp32ModuleHandle({len(self.modules)} modules, {state})"
 
 
-def refuse_16_bit_batch_norm(root: nn.Module, keeps_fp32: Any, ops: frozenset[str]) -> None:
+def refuse_16_bit_batch_norm(root: nn.Module, keeps_fp32: Callable[[nn.Module], bool], ops: frozenset[str]) -> None:
     """Raise where a BatchNorm would get 16-bit weights beside its FP32 running statistics with ``batch_norm`` not
     in ``fp32_ops``: torch's batch_norm kernels refuse that mix ("expected scalar type BFloat16 but found Float")
     on the first forward. Listed, the policy's kernel upcasts all of it; kept FP32, the weights match the
