@@ -8,14 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mp.numerics.compensated import (
-    CompensatedStep,
-    ParityGuard,
-    rebuild,
-    split,
-    split_,
-    stochastic_round_,
-)
+from lightning_mp.numerics.compensated import CompensatedStep, rebuild, split, split_, stochastic_round_
+from lightning_mp.numerics.parity import ParityGuard
 
 BF16 = torch.bfloat16
 BF16_EPS = 2.0**-8  # the format's relative spacing: ulp(x) = 2^(floor(log2 |x|) - 7)

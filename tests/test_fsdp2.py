@@ -1,6 +1,7 @@
 """FSDP2 under Lightning's ModelParallelStrategy, two real gloo processes on the CPU, the model sharded with
 ``fully_shard`` in ``configure_model`` (tests/fsdp_worker.py)."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -10,7 +11,8 @@ import torch
 from torch import nn
 
 from lightning_mp import MixedPrecisionPlugin
-from lightning_mp.numerics.sharding import is_sharded
+from lightning_mp.numerics.lean import DRIFT_WARNING, LeanBf16
+from lightning_mp.numerics.sharding import DTensor, is_sharded
 from tests.test_ddp import exit_abort_after_results
 
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
@@ -106,3 +108,91 @@ def test_the_fsdp_policy_computes_in_the_format_and_reduces_in_fp32():
     policy = MixedPrecisionPlugin("fp16").fsdp_mp_policy()
     assert policy.param_dtype == torch.float16 and policy.reduce_dtype == torch.float32
     assert MixedPrecisionPlugin("bf16").fsdp_mp_policy().param_dtype == torch.bfloat16
+
+
+def test_compensated_shards_step_like_the_unsharded_model_and_come_back_fp32(tmp_path):
+    # one gloo rank: fully_shard's own paths (DTensor shards, its lazy init, the dtypes it derives) in-process
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+        sharded, start = copy.deepcopy(plain), copy.deepcopy(plain)
+        mp, mesh = MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16), init_device_mesh("cpu", (1,))
+        for layer in sharded:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(sharded, mesh=mesh, mp_policy=mp)
+        leans = [LeanBf16(torch.bfloat16, 0.0) for _ in range(2)]
+        leans[0].convert(plain, lambda m: False)
+        leans[1].convert(sharded, lambda m: False, sharded=True)
+        for p, q in zip(start.parameters(), sharded.parameters()):  # the split is exact: the masters are the start
+            assert q.to_local().dtype == torch.bfloat16 and torch.equal(leans[1].master(q).full_tensor(), p.detach())
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, sharded)]
+        x = torch.randn(16, 4)
+        for step in range(3):
+            for model, lean, opt in zip((plain, sharded), leans, opts):
+                with torch.autocast("cpu", torch.bfloat16):
+                    model(x).float().square().mean().backward()
+                torch.manual_seed(step)  # the same draws for the bf16 state's stochastic rounding
+                lean.step(opt)
+                opt.zero_grad()
+        for p, q in zip(plain.parameters(), sharded.parameters()):
+            assert torch.equal(leans[1].master(q).full_tensor(), leans[0].master(p))
+        moments = [v for state in opts[1].state.values() for k, v in state.items() if k != "step"]
+        assert len(moments) == 12 and all(isinstance(v, DTensor) and v.dtype == torch.bfloat16 for v in moments)
+        shards = [q.to_local() for q in sharded.parameters()]
+        held = sum(t.nbytes for t in [*shards, *leans[1].steps.remainders.values(), *(v.to_local() for v in moments)])
+        assert held / sum(t.numel() for t in shards) == 8.0  # shard 2 + remainder 2 + moments 4; a bf16 gradient +2
+        masters = [leans[1].master(q).full_tensor() for q in sharded.parameters()]
+        leans[1].remove()  # the end of a fit: FP32 shards again, and fully_shard gathers them
+        assert all(q.to_local().dtype == torch.float32 and torch.equal(q.full_tensor(), m)
+                   for q, m in zip(sharded.parameters(), masters))
+        with torch.no_grad():
+            for q in sharded.parameters():
+                q.zero_()
+            assert not sharded(x).any()  # the forward reads the live FP32 shards, not the last bf16 ones
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_compensated_under_fsdp2_keeps_bf16_shards_and_matches_fp32_masters_bit_for_bit(tmp_path):
+    # the same bf16 gradients (reduced in bf16) for both: the rebuilt masters step exactly as FSDP2's FP32 shards
+    common = ("--precision", "bf16", "--adamw", "--reduce-bf16")
+    lean, fp32 = launch(tmp_path / "lean", *common, "--compensated"), launch(tmp_path / "fp32", *common)
+    assert same_state(lean[0], fp32[0]) and same_state(lean[0], lean[1])
+    assert lean[0]["losses"] == fp32[0]["losses"]
+    assert lean[0]["shard_dtypes"] == {("torch.bfloat16", "torch.bfloat16")}  # half the bytes of FP32 shards
+    assert fp32[0]["shard_dtypes"] == {("torch.float32", "torch.float32")}
+    assert lean[0]["after_fit"] == {"torch.float32"}
+
+
+@pytest.mark.slow
+def test_compensated_with_bf16_state_and_the_parity_guard_under_fsdp2(tmp_path):
+    # with a LayerNorm: an FP32 module, whose parameters are bf16 shards too (one dtype per fully_shard group)
+    lean = launch(tmp_path / "lean", "--precision", "bf16", "--adamw", "--layer-norm", "--compensated", "--state-bf16",
+                  "--parity-guard", "1")
+    (plain, _) = launch(tmp_path / "fp32", "--precision", "none", "--adamw", "--layer-norm")
+    drift = [row[1]["precision/parity_drift"] for row in lean[0]["logged"] if "precision/parity_drift" in row[1]]
+    assert len(drift) == 8 and 0 < max(drift) < DRIFT_WARNING  # the whole sample's drift, summed over the shards
+    assert same_state(lean[0], lean[1])
+    last = lambda r: sum(r["losses"][-4:]) / 4  # noqa: E731 (the last epoch)
+    assert last(lean[0]) == pytest.approx(last(plain), rel=0.02)
+
+
+@pytest.mark.slow
+def test_compensated_distributed_checkpoint_written_inside_the_fit_resumes_bit_for_bit(tmp_path):
+    # written mid-fit: the parameters are bf16 then; the checkpoint holds the rebuilt FP32 masters and FP32 moments
+    args, ckpt = ("--precision", "bf16", "--adamw", "--compensated"), tmp_path / "ckpt"
+    straight, _ = launch(tmp_path / "straight", *args, "--save-in-fit", ckpt)
+    resumed, _ = launch(tmp_path / "resumed", *args, "--epochs", "2", "--resume", ckpt)
+    assert resumed["steps"] == straight["steps"] == 8
+    assert same_state(resumed, straight) and resumed["losses"] == straight["losses"][4:]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    dtypes = {k: m.properties.dtype for k, m in stored.items() if "net." in k and hasattr(m, "properties")}
+    assert len(dtypes) == 16 and set(dtypes.values()) == {torch.float32}  # 4 masters, 8 moments, 4 step counts

@@ -98,10 +98,7 @@ class MixedPrecisionCore:
         if self.master_weights or self.lean is not None:  # parameters that become 16-bit copies or bf16 Parameters
             refuse_16_bit_batch_norm(module, self._keeps_fp32, self.policy.ops)
         if self.lean is not None:
-            if self.sharded:
-                raise ValueError("master_weights='compensated' does not shard its remainders with FSDP2 yet. HINT: "
-                                 "master_weights=None (FSDP2's FP32 shards are the masters).")
-            self.lean.convert(module, self._keeps_fp32)
+            self.lean.convert(module, self._keeps_fp32, self.sharded)
         elif self.master_weights and not self.sharded:
             if self.masters is None:
                 self.masters = MasterWeights(self.format.dtype, keep_fp32=self._keeps_fp32)

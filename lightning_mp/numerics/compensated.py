@@ -31,20 +31,18 @@ FP32 state 8 = 14 (FP32 masters with 16-bit copies: 4 + 2 + 4 + 8 = 18); with ``
 2 + 2 + 2 + 4 = 10, the state written back by :func:`stochastic_round_` (unbiased: small moment updates survive on
 average). Tested with AdamW, Adam (for-loop and ``foreach=True``) and SGD with momentum 0.9, all ``fused=False``.
 
-:class:`ParityGuard` steps FP32 shadows of sampled parameters beside the lean ones and reports the relative drift
-and the fraction of updates the lean representation lost.
+Under FSDP2 the parameters are DTensors: the remainders, buckets and scratch cover each rank's local shards, and the
+optimizer steps DTensor stand-ins over the scratch, so its state is sharded as FSDP2 shards it.
 """
 
 from __future__ import annotations
 
-import copy
-import math
-import random
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
 
+from lightning_mp.numerics.sharding import assign, like, local
 from lightning_mp.validation import check_int
 
 _BF16 = torch.bfloat16
@@ -153,22 +151,23 @@ class CompensatedStep:
         self._buckets: list[tuple[list[nn.Parameter], Tensor]] = []  # (params, their span of the remainder buffer)
         for device in dict.fromkeys(p.device for p in self.params):
             ps = [p for p in self.params if p.device == device]
-            flat = torch.zeros(sum(p.numel() for p in ps), dtype=torch.int16, device=device)
+            shards = [local(p.detach()) for p in ps]  # FSDP2: this rank's shard
+            flat = torch.zeros(sum(x.numel() for x in shards), dtype=torch.int16, device=device)
             start, end, bucket = 0, 0, []
-            for p in ps:
-                if bucket and (end - start + p.numel()) * 4 > bucket_bytes:
+            for p, x in zip(ps, shards):
+                if bucket and (end - start + x.numel()) * 4 > bucket_bytes:
                     self._buckets.append((bucket, flat[start:end]))
                     start, bucket = end, []
-                self.remainders[p] = flat[end:end + p.numel()].view(p.shape)
-                end += p.numel()
+                self.remainders[p] = flat[end:end + x.numel()].view(x.shape)
+                end += x.numel()
                 bucket.append(p)
-                if p.dtype == torch.float32:
-                    p.data, _ = split_(p.data.contiguous(), torch.empty_like(p.data, dtype=_BF16), self.remainders[p])
+                if p.dtype == torch.float32:  # (a sharded module's FSDP state must re-read it: sharding.reload_shards)
+                    assign(p, split_(x.contiguous(), torch.empty_like(x, dtype=_BF16), self.remainders[p])[0])
             self._buckets.append((bucket, flat[start:end]))
 
     def master(self, p: nn.Parameter) -> Tensor:
-        """The FP32 master of ``p`` (a new tensor)."""
-        return rebuild(p.detach(), self.remainders[p])
+        """The FP32 master of ``p`` (a new tensor; sharded as ``p`` is)."""
+        return like(p, rebuild(local(p.detach()), self.remainders[p]))
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, closure: Callable | None = None) -> None:
@@ -195,19 +194,22 @@ class CompensatedStep:
         n = lo.numel()
         scratch = torch.empty(2 * n, dtype=torch.float32, device=lo.device)
         bits = scratch[:n].view(torch.int32)
-        sizes = [p.numel() for p in bucket]
-        values = [v.view(p.shape) for v, p in zip(scratch[:n].split(sizes), bucket)]
-        grads = [v.view(p.shape) for v, p in zip(scratch[n:].split(sizes), bucket)]
-        _rebuild_into(bits, [p.data.view(torch.int16) for p in bucket], lo)
+        his = [local(p.detach()).view(torch.int16) for p in bucket]  # FSDP2: the shards (views: writes land there)
+        sizes = [h.numel() for h in his]
+        values = [v.view(h.shape) for v, h in zip(scratch[:n].split(sizes), his)]
+        grads = [v.view(h.shape) for v, h in zip(scratch[n:].split(sizes), his)]
+        _rebuild_into(bits, his, lo)
         stepped = [i for i, p in enumerate(bucket) if p.grad is not None]
-        torch._foreach_copy_([grads[i] for i in stepped], [bucket[i].grad for i in stepped])  # bf16 -> FP32: exact
+        torch._foreach_copy_([grads[i] for i in stepped], [local(bucket[i].grad) for i in stepped])  # exact upcast
         # FP32 stand-ins over the scratch (no copy) take the bf16 Parameters' place in the groups and their state for
         # the step. The Parameters themselves are never re-pointed: a .data of another dtype would reset their
-        # gradient accumulator, and with it the hooks DDP's reducer keeps there.
+        # gradient accumulator, and with it the hooks DDP's reducer keeps there. Under FSDP2 they are DTensors over
+        # the scratch (no communication), so the optimizer's state is sharded as FSDP2 shards it.
         proxies: dict[nn.Parameter, nn.Parameter] = {}
         for i in stepped:
-            proxy = proxies[bucket[i]] = nn.Parameter(values[i], requires_grad=bucket[i].requires_grad)
-            proxy.grad = grads[i]
+            p = bucket[i]
+            proxy = proxies[p] = nn.Parameter(like(p, values[i]), requires_grad=p.requires_grad)
+            proxy.grad = like(p, grads[i])
         state, keys, parts, upcast = optimizer.state, [], [], None
         try:
             for p, proxy in proxies.items():
@@ -218,18 +220,19 @@ class CompensatedStep:
             keys = [(q, k) for q in proxies.values() for k in _float_state(state[q], q)
                     if state[q][k].dtype != torch.float32]
             if keys:  # bf16 state (ours, or cast by load_state_dict): FP32 for the step, in one scratch
-                old = [state[q][k] for q, k in keys]
+                old = [local(state[q][k]) for q, k in keys]
                 upcast = torch.empty(sum(t.numel() for t in old), dtype=torch.float32, device=lo.device)
                 parts = [v.view(t.shape) for v, t in zip(upcast.split([t.numel() for t in old]), old)]
                 torch._foreach_copy_(parts, old)
                 for (q, k), v in zip(keys, parts):
-                    state[q][k] = v
+                    state[q][k] = like(q, v)
+                parts = [state[q][k] for q, k in keys]
             optimizer.step()
         finally:
             for p, proxy in proxies.items():
                 if proxy in state:
                     state[p] = state.pop(proxy)
-            _split_consume(bits, lo, [p.data.view(torch.int16) for p in bucket])
+            _split_consume(bits, lo, his)
         if self.state_dtype != _BF16:
             return
         # the bucket's FP32 state, stochastically rounded into one bf16 buffer (a view per tensor); in the steady
@@ -238,63 +241,9 @@ class CompensatedStep:
         tensors = [state[p][k] for p, k in keys]
         if tensors:
             same = len(tensors) == len(parts) and all(t is v for t, v in zip(tensors, parts))
+            tensors = [local(t) for t in tensors]
             flat = upcast if same else torch.cat([t.reshape(-1) for t in tensors])
             out = stochastic_round_(flat, torch.empty_like(flat, dtype=_BF16), self.generator)
             for (p, k), v, t in zip(keys, out.split([t.numel() for t in tensors]), tensors):
-                state[p][k] = v.view(t.shape)
+                state[p][k] = like(p, v.view(t.shape))
 
-
-class ParityGuard:
-    """FP32 shadows of a sample of whole parameters (so per-tensor optimizer math holds), stepped with the lean
-    gradients by a separate optimizer of the same class and param-group hyperparameters.
-
-    :meth:`snapshot` before the lean step, :meth:`measure` after it. ``value(p)`` reads the lean value as FP32
-    (:meth:`CompensatedStep.master`, or ``p.detach().float()`` for pure bf16). ``fraction`` of the parameters,
-    at least one, chosen by ``seed``. The shadow optimizer starts with empty state: build the guard before the first
-    step, or expect drift from the state the lean optimizer already had.
-    """
-
-    def __init__(self, params: Iterable[nn.Parameter], optimizer: torch.optim.Optimizer,
-                 value: Callable[[nn.Parameter], Tensor] = lambda p: p.detach().float(), fraction: float = 0.01,
-                 seed: int = 0) -> None:
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-            raise ValueError(f"fraction={fraction!r} is not allowed: use a number in (0, 1].")
-        params = list(params)
-        k = min(len(params), max(1, math.ceil(fraction * len(params))))
-        self.index = sorted(random.Random(seed).sample(range(len(params)), k))
-        self.params = [params[i] for i in self.index]
-        self._value, self._optimizer = value, optimizer
-        self.shadows = {p: value(p).clone() for p in self.params}
-        self._groups = [[self.shadows[p] for p in g["params"] if p in self.shadows] for g in optimizer.param_groups]
-        self.shadow_optimizer = type(optimizer)([{**self._hyper(g), "params": s}
-                                                 for g, s in zip(optimizer.param_groups, self._groups) if s])
-        self._before: list[Tensor] = []
-
-    @staticmethod
-    def _hyper(group: dict) -> dict:
-        return copy.deepcopy({k: v for k, v in group.items() if k != "params"})
-
-    def snapshot(self) -> None:
-        self._before = [self._value(p).clone() for p in self.params]
-
-    @torch.no_grad()
-    def measure(self) -> tuple[float, float]:
-        """Step the shadows with the lean gradients (FP32 upcasts) and the current hyperparameters (a scheduler's
-        lr included); return (||lean - shadow|| / ||shadow||, lost updates / shadow updates). Syncs once."""
-        if not self._before:
-            raise RuntimeError("measure() needs snapshot() before the lean step: it compares with those values.")
-        live = iter(g for g, s in zip(self._optimizer.param_groups, self._groups) if s)
-        for sg in self.shadow_optimizer.param_groups:
-            sg.update(self._hyper(next(live)))
-        for p, s in self.shadows.items():
-            s.grad = None if p.grad is None else p.grad.float()
-        shadows = list(self.shadows.values())
-        before = torch.cat([s.reshape(-1) for s in shadows])
-        self.shadow_optimizer.step()
-        shadow = torch.cat([s.reshape(-1) for s in shadows])
-        lean = torch.cat([self._value(p).reshape(-1) for p in self.params])
-        moved = shadow != before
-        lost = moved & (lean == torch.cat([b.reshape(-1) for b in self._before]))
-        self._before = []
-        drift = (lean - shadow).norm() / shadow.norm()
-        return tuple(torch.stack([drift, lost.sum() / moved.sum().clamp(min=1)]).tolist())  # the one host read

@@ -31,7 +31,9 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mp.numerics.compensated import CompensatedStep, ParityGuard, split_
+from lightning_mp.numerics.compensated import CompensatedStep, split_
+from lightning_mp.numerics.parity import ParityGuard
+from lightning_mp.numerics.sharding import assign, like, local, reload_shards
 
 log = logging.getLogger("lightning_mp.plugin")
 
@@ -61,32 +63,43 @@ class LeanBf16:
         self._names: dict[nn.Parameter, list[str]] = {}
         self._guards: dict[int, ParityGuard] = {}
         self._handles: list[Any] = []
+        self._sharded: nn.Module | None = None  # an FSDP2 model, whose shards are bf16 with remainders
         self._warned = False
 
     # ------------------------------------------------------------------ set-up
-    def convert(self, module: nn.Module, keep_fp32: Callable[[nn.Module], bool]) -> None:
-        """Make ``module``'s trainable FP32 parameters (outside kept subtrees) bf16 with exact remainders."""
+    def convert(self, module: nn.Module, keep_fp32: Callable[[nn.Module], bool], sharded: bool = False) -> None:
+        """Make ``module``'s trainable FP32 parameters (outside kept subtrees) bf16 with exact remainders.
+
+        ``sharded`` (FSDP2): every trainable FP32 parameter, kept modules' too, since ``fully_shard`` needs one dtype
+        per group of trainable parameters; a kept module still computes in FP32, from its bf16 parameters, as under
+        FSDP2 with FP32 masters. Each rank splits its own shards; FSDP2 then all-gathers bf16 without a cast."""
         if self.steps is not None:
             raise ValueError(
                 "master_weights='compensated' holds one model per plugin, and a second one was set up. HINT: set up "
                 "one module (a container of both), or use master_weights=True for several."
             )
-        kept = {p for m in module.modules() if keep_fp32(m) for p in m.parameters()}
+        kept = set() if sharded else {p for m in module.modules() if keep_fp32(m) for p in m.parameters()}
         names: dict[nn.Parameter, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             if p.requires_grad and p.dtype == torch.float32 and p not in kept:
                 names.setdefault(p, []).append(name)
         self._names.update(names)
         self.steps = CompensatedStep(list(self._names), BUCKET_BYTES, optimizer_state_dtype=self.state_dtype)
+        if sharded:
+            self._sharded = module
+            reload_shards(module)
         # closures, not bound methods: torch marks its public-API hooks with an attribute
         self._handles.append(module.register_state_dict_post_hook(lambda *args: self._save_masters(*args)))
         self._handles.append(module.register_load_state_dict_pre_hook(lambda *args: self._load_masters(*args)))
 
     def watch(self, optimizers: Sequence[Optimizer]) -> None:
-        """Keep these optimizers' FP32 state FP32 through ``load_state_dict`` (torch casts it to the bf16 params)."""
+        """Keep these optimizers' FP32 state FP32 through ``load_state_dict`` (torch casts it to the bf16 params), and
+        show bf16 state as FP32 in ``state_dict()``: torch's distributed checkpoint makes the state with a step of its
+        own on the bf16 parameters (bf16 tensors) and loads the checkpoint into that ``state_dict()`` in place."""
         if self.state_dtype != torch.float32:
             return
         for optimizer in optimizers:
+            self._handles.append(optimizer.register_state_dict_post_hook(lambda opt, state_dict: _upcast(state_dict)))
             stash: dict = {}  # ours, not an attribute on the user's optimizer
             self._handles.append(optimizer.register_load_state_dict_pre_hook(
                 lambda opt, state_dict, stash=stash: _stash_fp32_state(stash, state_dict)))
@@ -102,9 +115,11 @@ class LeanBf16:
             with torch.no_grad():
                 for p in self.steps.params:
                     grad, p.grad = p.grad, None
-                    p.data = self.steps.master(p)
+                    assign(p, local(self.steps.master(p)))
                     p.grad = None if grad is None else grad.float()
-        self.steps, self._names, self._guards = None, {}, {}
+            if self._sharded is not None:
+                reload_shards(self._sharded)
+        self.steps, self._names, self._guards, self._sharded = None, {}, {}, None
 
     # ------------------------------------------------------------------ the step
     def master(self, p: nn.Parameter) -> Tensor:
@@ -155,11 +170,12 @@ class LeanBf16:
             value = next((state[prefix + n] for n in names if prefix + n in state), None)
             if not isinstance(value, Tensor) or value.shape != p.shape:
                 continue  # missing or mismatched: load_state_dict reports it
-            value = value.to(p.device)
-            remainder = self.steps.remainders[p]
+            value, remainder = value.to(p.device), self.steps.remainders[p]
+            if local(value).shape != remainder.shape:
+                continue  # a full tensor for a sharded parameter: load_state_dict reports it
             if value.dtype == torch.float32:
-                hi = torch.empty_like(value, dtype=torch.bfloat16)
-                split_(value.contiguous(), hi, remainder)
+                hi = like(p, split_(local(value).contiguous(), torch.empty_like(remainder, dtype=torch.bfloat16),
+                                    remainder)[0])
             else:
                 hi = value.to(torch.bfloat16)
                 remainder.zero_()  # a bf16 checkpoint: its values are the masters
@@ -204,19 +220,31 @@ def lean_bf16(fmt: Any, master_weights: Any, optimizer_state_dtype: Any, parity_
     return LeanBf16(optimizer_state_dtype or torch.float32, float(parity_guard)) if compensated else None
 
 
+def _upcast(state_dict: dict) -> dict:
+    for entry in state_dict.get("state", {}).values():
+        entry.update({k: v.float() for k, v in entry.items()
+                      if isinstance(v, Tensor) and v.dtype == torch.bfloat16 and v.dim()})
+    return state_dict
+
+
 def _stash_fp32_state(stash: dict, state_dict: dict) -> None:
+    """The FP32 state tensors by the position of their parameter, as torch pairs them: the state dict's param groups
+    in order (ids from ``Optimizer.state_dict``, names from ``torch.distributed.checkpoint``) with the optimizer's."""
     stash.clear()
+    state = state_dict.get("state", {})
+    keys = [key for group in state_dict.get("param_groups", []) for key in group.get("params", [])]
     stash.update({
-        index: {k: v for k, v in entry.items() if isinstance(v, Tensor) and v.dtype == torch.float32 and v.dim()}
-        for index, entry in state_dict.get("state", {}).items()
+        position: {k: v for k, v in state[key].items() if isinstance(v, Tensor) and v.dtype == torch.float32
+                   and v.dim()}
+        for position, key in enumerate(keys) if key in state
     })
 
 
 def _restore_fp32_state(stash: dict, optimizer: Optimizer) -> None:
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    for index, entry in stash.items():
-        if isinstance(index, int) and index < len(params) and params[index] in optimizer.state:
-            state = optimizer.state[params[index]]
+    for position, entry in stash.items():
+        if position < len(params) and params[position] in optimizer.state:
+            state = optimizer.state[params[position]]
             for k, v in entry.items():
                 if k in state:
                     state[k] = v.to(state[k].device)

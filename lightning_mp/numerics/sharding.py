@@ -35,6 +35,43 @@ def local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def like(p: Tensor, shard: Tensor) -> Tensor:
+    """``shard`` as ``p``'s local shard: a DTensor with ``p``'s mesh, placements, shape and strides over the same
+    storage (no communication), when ``p`` is a DTensor; ``shard`` itself otherwise."""
+    if not isinstance(p, DTensor):
+        return shard
+    return DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def assign(p: nn.Parameter, shard: Tensor) -> None:
+    """``p`` (the same object) now holds ``shard``, as its local shard under FSDP2. A DTensor's ``.data`` setter
+    changes the wrapper's dtype but not the local tensor it wraps, so a DTensor's contents are swapped with a fresh
+    Parameter's (``torch.utils.swap_tensors``, which refuses a Parameter with a pending gradient)."""
+    if isinstance(p, DTensor):
+        torch.utils.swap_tensors(p, nn.Parameter(like(p, shard), requires_grad=p.requires_grad))
+    else:
+        p.data = shard
+
+
+def reload_shards(module: nn.Module) -> None:
+    """After sharded Parameters' ``.data`` changed dtype, make ``fully_shard`` re-read them: re-register each local
+    shard and re-derive the dtypes it all-gathers and reduces in. FSDP2 does both at its first forward (it allows dtype
+    changes until then) and the first in its own ``_apply``; that path swaps tensors and refuses Parameters an
+    optimizer already holds, so this calls the two steps directly. They are torch internals, checked here."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = {id(g): g for m in module.modules() if isinstance(m, FSDPModule)
+              for g in getattr(m._get_fsdp_state(), "_fsdp_param_groups", ())}
+    for group in groups.values():
+        if not all(hasattr(fp, "reset_sharded_param") for fp in group.fsdp_params) or not hasattr(
+                group, "_init_mp_dtypes"):
+            raise RuntimeError(f"torch {torch.__version__}'s fully_shard lacks the internals master_weights="
+                               "'compensated' uses to change the shards' dtype. HINT: master_weights=None under FSDP2.")
+        for fsdp_param in group.fsdp_params:
+            fsdp_param.reset_sharded_param()
+        group._init_mp_dtypes()
+
+
 def is_sharded(module: nn.Module) -> bool:
     """Whether ``fully_shard`` sharded this module; raises ``ValueError`` for layouts the plugin cannot handle."""
     sharded, plain = [], []
