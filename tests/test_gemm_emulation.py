@@ -346,41 +346,106 @@ def test_the_probe_leaves_the_thread_count_as_it_was():
 
 
 # ------------------------------------------------------------------------------------------------ staging buffers
-def test_staging_reuses_its_fp32_buffers_and_keeps_a_bounded_few():
-    """Large up-cast operands land in reused buffers (no fresh pages per op), at most KEEP of them stay."""
+def test_staging_remembers_the_last_copies_by_memory_and_version():
+    """An operand over the same memory at the same version (the tensor again, a transpose of it) is served from its
+    copy; a write moves the version and the next take copies again; at most MEMO copies are remembered."""
     staging = ge._Staging()
-    x = torch.randn(512, 1024).half()  # 2 MiB in FP32: pooled
-    first, buf = staging.take(x)
-    assert buf is not None and first.dtype == torch.float32 and torch.equal(first, x.float())
-    staging.give([buf], None)
-    second, buf2 = staging.take(x[:256])  # a smaller operand fits in the same buffer
-    assert buf2.data_ptr() == buf.data_ptr() and torch.equal(second, x[:256].float())
-    staging.give([buf2], None)
-    for n in range(1, 8):  # many distinct sizes at once: only the largest KEEP stay
-        staging.give([torch.empty(n * 2**18)], None)
-    assert len(staging._free) == staging.KEEP
-    assert min(b.numel() for b in staging._free) == (8 - staging.KEEP) * 2**18
+    x = torch.randn(512, 1024).half()
+    first = staging.take(x)
+    assert first.dtype == torch.float32 and torch.equal(first, x.float())
+    again, transposed = staging.take(x), staging.take(x.t())
+    assert again.data_ptr() == transposed.data_ptr() == first.data_ptr()  # no second copy
+    assert torch.equal(transposed, x.t().float()) and transposed.stride() == x.t().stride()
+    x.add_(1)  # in place: the version counter moves
+    assert torch.equal(staging.take(x), x.float()) and staging.take(x).data_ptr() != first.data_ptr()
+    assert staging.take(x[:256]).data_ptr() != first.data_ptr()  # other memory: a copy of its own
+    others = [torch.randn(64, 64).half() for _ in range(staging.MEMO)]
+    for t in others:
+        staging.take(t)
+    assert [m[0] for m in staging._memo.values()] == others  # the oldest went
+    assert torch.equal(staging.take(others[0]), others[0].float())
 
 
-def test_staging_keeps_strides_and_skips_small_or_overlapping_operands():
+def test_staging_pools_large_copies_that_leave_the_memo_and_keeps_a_bounded_few():
+    staging = ge._Staging()
+    big = [torch.randn(n * 2**17, 2).half() for n in range(1, 10)]  # 1-9 MiB in FP32
+    for t in big:
+        staging.take(t)
+        assert staging._free == []  # a buffer that leaves the memo may be an operand of the op: pooled after it
+    staging.done(None)
+    assert len(staging._free) == staging.KEEP  # 5 left the memo, only the largest KEEP stay
+    assert [b.numel() for b in staging._free] == [n * 2**18 for n in range(2, 6)]
+    pooled = staging._free[0].data_ptr()
+    reused = staging.take(torch.randn(2**17, 2).half())  # the smallest pooled buffer that fits it
+    assert reused.data_ptr() == pooled and len(staging._free) == staging.KEEP - 1
+    staging.done(None)
+    assert len(staging._free) == staging.KEEP  # the memo's oldest went there
+    staging.clear()
+    assert staging._free == [] and staging._memo == {}
+
+
+def test_staging_keeps_strides_and_copies_overlapping_or_inference_operands_plainly():
     staging = ge._Staging()
     x = torch.randn(1024, 768).half()
     for view in (x.t(), x.view(1024, 12, 64).permute(1, 0, 2), torch.randn(64, 16, 32, 32).half().to(
             memory_format=torch.channels_last)):  # fmt: skip
-        up, buf = staging.take(view)
-        assert buf is not None and up.stride() == view.stride() and torch.equal(up, view.float())
-        staging.give([buf], None)
-    small, buf = staging.take(torch.randn(16, 16).half())
-    assert buf is None and small.dtype == torch.float32
-    expanded, buf = staging.take(torch.randn(1, 768).half().expand(1024, 768))  # stride 0: not dense
-    assert buf is None and expanded.shape == (1024, 768)
+        up = staging.take(view)
+        assert up.stride() == view.stride() and torch.equal(up, view.float())
+    expanded = staging.take(torch.randn(1, 768).half().expand(1024, 768))  # stride 0: not dense
+    # the two views of x share one copy (the same memory), the channels-last tensor has its own, nothing else
+    assert expanded.shape == (1024, 768) and len(staging._memo) == 2
+    with torch.inference_mode():
+        y = torch.randn(64, 64).half()
+        assert torch.equal(staging.take(y), y.float()) and len(staging._memo) == 2
 
 
-def test_a_buffer_an_output_lives_in_is_not_reused():
+def test_an_operand_that_leaves_the_memo_inside_an_op_keeps_its_copy_until_the_op_ends(monkeypatch):
+    monkeypatch.setattr(ge._Staging, "MEMO", 1)
     staging = ge._Staging()
-    _, buf = staging.take(torch.randn(1024, 512).half())
-    staging.give([buf], buf[:10].view(2, 5))  # an op returned a view of its operand
-    assert staging._free == []
+    a, b, c = (torch.randn(512, 1024).half() for _ in range(3))  # 2 MiB each in FP32: pooled buffers
+    copies = [staging.take(t) for t in (a, b, c)]  # one op's three operands: a's and b's copies left the memo
+    assert all(torch.equal(t32, t.float()) for t32, t in zip(copies, (a, b, c)))
+    staging.done(None)
+    assert len(staging._free) == 2 and torch.equal(staging.take(b), b.float())
+
+
+def test_a_copy_an_output_lives_in_is_not_served_again():
+    staging = ge._Staging()
+    x = torch.randn(1024, 512).half()
+    up = staging.take(x)
+    staging.done(up.view(-1)[:10].view(2, 5))  # an op returned a view of its operand
+    assert staging._memo == {} and staging.take(x).data_ptr() != up.data_ptr()
+
+
+def test_remembered_copies_give_the_bits_of_fresh_ones(monkeypatch):
+    """Three linears on one input (a transformer's q, k, v) and their backward, where each output gradient feeds two
+    GEMMs: the same gradients with the memo and the pool as with every operand upcast into a fresh tensor."""
+    import copy
+
+    class QKV(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 256)
+
+        def forward(self, x):
+            return self.q(x) * self.k(x) + self.v(x)
+
+    torch.manual_seed(0)
+    ref, x0 = QKV().half(), torch.randn(1024, 256).half()  # 1 MiB in FP32: the pooled path too
+    grads = []
+    for memo, min_bytes in ((ge._Staging.MEMO, ge._Staging.MIN_BYTES), (0, 1 << 62)):  # then: fresh copies only
+        monkeypatch.setattr(ge._Staging, "MEMO", memo)
+        monkeypatch.setattr(ge._Staging, "MIN_BYTES", min_bytes)
+        model, x = copy.deepcopy(ref), x0.clone().requires_grad_()
+        g = GemmEmulation("emulated")
+        g.setup("cpu", torch.float16)
+        with g.context():
+            y = model(x)
+        with g.context():
+            y.float().square().mean().backward()
+        g.remove()
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -401,7 +466,7 @@ def test_emulated_convolution_backward_with_reused_buffers_matches_fresh_copies(
             [1, 1], False, [0, 0], 1, [True, False, False])[0].to(dtype)  # fmt: skip
         assert torch.equal(x.grad, ref_gx)
         conv.weight.grad = None
-    assert mode.staging._free  # the large operands went through the pool
+    assert mode.staging._memo  # the operands went through the memo
 
 
 def test_the_run_context_releases_its_buffers_on_exit():
@@ -411,8 +476,8 @@ def test_the_run_context_releases_its_buffers_on_exit():
     x = torch.randn(1024, 512).half()
     with g.context():
         torch.mm(x, x.t())
-        assert g._staging._free  # kept for the next op of this pass
-    assert g._staging._free == []
+        assert g._staging._memo  # kept for the next op of this pass
+    assert g._staging._memo == {} and g._staging._free == []
 
 
 def test_a_pickled_or_copied_staging_starts_empty():
@@ -420,10 +485,11 @@ def test_a_pickled_or_copied_staging_starts_empty():
     import pickle
 
     staging = ge._Staging()
-    _, buf = staging.take(torch.randn(1024, 512).half())
-    staging.give([buf], None)
+    staging.take(torch.randn(1024, 512).half())
     for clone in (pickle.loads(pickle.dumps(staging)), copy.deepcopy(staging)):
-        assert clone._free == [] and clone.take(torch.randn(1024, 512).half())[1] is not None
+        assert clone._memo == {} and clone._free == []
+        x = torch.randn(1024, 512).half()
+        assert torch.equal(clone.take(x), x.float()) and len(clone._memo) == 1
 
 
 # ------------------------------------------------------------------------------ a run's kernels at ADInplaceOrView

@@ -90,6 +90,7 @@ class MixedPrecisionCore:
         self.sharded = False
         self.root: nn.Module | None = None  # the module whose parameter names the reports and views use
         self._handles: list[Any] = []
+        self._hold: Any = None  # the policy's kernels, switched on for the whole fit (see forward_context)
 
     # ------------------------------------------------------------------ set-up
     def convert(self, module: nn.Module) -> nn.Module:
@@ -138,7 +139,9 @@ class MixedPrecisionCore:
             self.step.apply = self.lean.step
         if self.format.is_16bit:
             # the op policy's kernels for the whole fit: backward and checkpointing's recomputation follow it too
-            self._handles.append(self.policy.activate(on=policy_on))
+            hold = self.policy.activate(on=policy_on)
+            self._handles.append(hold)
+            self._hold = hold if policy_on else None
             self._handles.append(self.policy.install(model, self.device_type))
             if self.autopilot is not None:
                 self.autopilot.attach(root, self.device_type)
@@ -182,7 +185,10 @@ class MixedPrecisionCore:
         stack = contextlib.ExitStack()
         # autocast too: tensors built in the forward and parameters read outside their module get 16-bit GEMMs
         stack.enter_context(torch.autocast(self.device_type, dtype=self.format.dtype))
-        stack.enter_context(self.policy.op_context())
+        # kernels on for the whole fit (the Trainer's): another hold per forward would only move a counter per kernel
+        held = self._hold is not None and self._hold.active
+        if (ops := self.policy.fallback_mode() if held else self.policy.op_context()) is not None:
+            stack.enter_context(ops)
         stack.enter_context(self.gemm.context())
         return stack
 
@@ -236,14 +242,8 @@ class MixedPrecisionCore:
             if self.locator is not None:
                 self.locator.begin_step()
 
-    def closure_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        after_closure: Callable[[], None],
-        step: int | None,
-        **kwargs: Any,
-    ) -> Any:
+    def closure_step(self, optimizer: Optimizer, closure: Callable[[], Any], after_closure: Callable[[], None],
+                     step: int | None, **kwargs: Any) -> Any:
         """Optimizers that evaluate the closure several times per step (LBFGS): every evaluation runs on copies of
         the current FP32 parameters and leaves unscaled FP32 gradients (``after_closure`` sees them); a non-finite
         one stops the run (the step cannot be skipped halfway through a line search)."""

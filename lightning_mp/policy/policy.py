@@ -12,10 +12,9 @@ tuple operations::
     Fp32Policy(ops=DEFAULT_FP32_OPS | {"tanh", torch.sigmoid})
     Fp32Policy(modules=NORM_MODULES)                      # RNNs and embeddings back to 16 bits
 
-The pieces: :mod:`~lightning_mp.policy.names` (what a name covers), :mod:`~lightning_mp.policy.aten` (the aten ops a
-name reaches), :mod:`~lightning_mp.policy.dispatch` (the kernels at the autocast keys), :mod:`~lightning_mp.policy.mode`
-(the Python fallback for pure-Python composites), :mod:`~lightning_mp.policy.modules` (module hooks),
-:mod:`~lightning_mp.policy.describe` (``describe()``'s Markdown).
+The pieces: ``names`` (what a name covers), ``aten`` (the aten ops a name reaches), ``dispatch`` (the kernels at
+the autocast keys), ``mode`` (the Python fallback for pure-Python composites), ``modules`` (module hooks) and
+``describe`` (``describe()``'s Markdown), each a module of :mod:`lightning_mp.policy`.
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ class _OpContext:
 
     def __enter__(self) -> None:
         self._activation = self._policy.activate()
-        mode = self._policy._fallback_mode()
+        mode = self._policy.fallback_mode()
         if mode is not None:
             try:
                 mode.__enter__()
@@ -93,7 +92,7 @@ class _OpContext:
 
     def __exit__(self, *exc_info: object) -> None:
         try:
-            mode = self._policy._fallback_mode()
+            mode = self._policy.fallback_mode()
             if mode is not None:
                 mode.__exit__(*exc_info)
         finally:
@@ -216,7 +215,8 @@ class Fp32Policy:
         registration: hold ``activate(on=False)`` around it)."""
         return switched_on(self.kernel_plan())
 
-    def _fallback_mode(self) -> _Fp32OpMode | None:
+    def fallback_mode(self) -> _Fp32OpMode | None:
+        """The torch-function mode for ``python_only_ops`` (``None`` when there are none), one per policy."""
         if not self._table:
             return None
         # one mode object for the policy's lifetime: torch.compile guards on the active mode, so a new object per
@@ -254,12 +254,10 @@ class Fp32Policy:
         """Run the forward of every submodule with ``keeps_fp32(m)`` in FP32.
 
         16-bit floating inputs (args and kwargs, nested) are upcast to float32 and
-        autocast is disabled for ``device_type`` during that forward; outputs are
-        FP32. The exception is BatchNorm with FP32 parameters and statistics on CPU
-        and CUDA: its kernels take the 16-bit input as it is, compute the statistics
-        in FP32 inside and return a 16-bit output (no FP32 copy of the activation
-        for autograd to keep). Implemented with forward hooks, so the modules'
-        ``forward`` is never replaced; ``handle.remove()`` takes the hooks out again."""
+        autocast is disabled for ``device_type`` during that forward; outputs are FP32. The exception is BatchNorm
+        with FP32 parameters and statistics on CPU and CUDA: its kernels take the 16-bit input as it is, compute the
+        statistics in FP32 inside and return a 16-bit output (no FP32 copy of the activation for autograd to keep).
+        Forward hooks, so the modules' ``forward`` is never replaced; ``handle.remove()`` takes them out again."""
         if not isinstance(root, nn.Module):
             raise TypeError(f"install() expects an nn.Module as root, got {type(root).__name__}.")
         if isinstance(device_type, torch.device):
