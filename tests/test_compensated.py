@@ -337,3 +337,16 @@ def test_bf16_second_moment_keeps_growing_with_stochastic_rounding_where_nearest
     assert nearest.item() < 0.4 < fp32
     assert opt.state[p]["exp_avg_sq"].dtype == BF16
     assert opt.state[p]["exp_avg_sq"].float().mean().item() == pytest.approx(fp32, rel=BF16_EPS)
+
+
+def test_a_parameter_of_another_optimizer_is_neither_stepped_nor_given_state():
+    # two optimizers over one model (a GAN): a step of one leaves the other's parameters, gradients and state alone
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    opt_a, opt_b = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in model)
+    lean = CompensatedStep(list(model.parameters()))
+    model(torch.randn(2, 4).to(BF16)).float().sum().backward()
+    before = [lean.master(p) for p in model[1].parameters()]
+    lean.step(opt_a)
+    assert len(opt_a.state) == 2 and not opt_b.state and len(opt_a.state_dict()["state"]) == 2
+    assert all(torch.equal(lean.master(p), b) for p, b in zip(model[1].parameters(), before))
+    assert all(p.grad is not None and p.grad.dtype == BF16 for p in model.parameters())

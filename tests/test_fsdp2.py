@@ -126,6 +126,11 @@ def test_compensated_shards_step_like_the_unsharded_model_and_come_back_fp32(tmp
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(sharded, mesh=mesh, mp_policy=mp)
         leans = [LeanBf16(torch.bfloat16, 0.0) for _ in range(2)]
+        odd = nn.Linear(4, 4)  # gathering FP32 (no param_dtype): after the fit FSDP2 would still gather into bf16
+        fully_shard(odd, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=None))
+        with pytest.raises(ValueError, match=r"param_dtype=None.*HINT: fully_shard\(\.\.\., mp_policy=plugin"):
+            LeanBf16(torch.bfloat16, 0.0).convert(odd, lambda m: False, sharded=True)
+        assert odd.weight.to_local().dtype == torch.float32  # refused before anything changed
         leans[0].convert(plain, lambda m: False)
         leans[1].convert(sharded, lambda m: False, sharded=True)
         for p, q in zip(start.parameters(), sharded.parameters()):  # the split is exact: the masters are the start

@@ -409,6 +409,20 @@ def test_an_operand_that_leaves_the_memo_inside_an_op_keeps_its_copy_until_the_o
     assert len(staging._free) == 2 and torch.equal(staging.take(b), b.float())
 
 
+def test_new_memory_at_a_remembered_address_is_copied_afresh():
+    """FSDP2 frees a gathered parameter's memory while the tensor lives, and the next layer's parameter may land at the
+    same address with version 0. Two numpy-backed tensors over one array are that case: same address, same version,
+    another storage."""
+    import numpy as np
+
+    staging = ge._Staging()
+    array = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float16)
+    staging.take(torch.from_numpy(array))
+    array += 1  # the memory changes without a version counter seeing it
+    fresh = torch.from_numpy(array)
+    assert torch.equal(staging.take(fresh), fresh.float())
+
+
 def test_a_copy_an_output_lives_in_is_not_served_again():
     staging = ge._Staging()
     x = torch.randn(1024, 512).half()

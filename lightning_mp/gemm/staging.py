@@ -21,15 +21,24 @@ def _dense(x: Tensor) -> bool:
     return True
 
 
+def _storage(x: Tensor) -> tuple[int, int]:
+    """Which storage ``x`` lives in, and how many bytes it has now (0 once freed by ``resize_(0)``)."""
+    storage = x.untyped_storage()
+    return storage._cdata, storage.nbytes()
+
+
 class _Staging:
     """The FP32 copies of emulated ops' 16-bit operands (CPU only): the last few remembered, large buffers reused.
 
     Remembered: a linear's backward upcasts its output gradient twice (``grad @ W`` and ``grad^T @ x``), and a
     tensor feeding several GEMMs is upcast once per GEMM. The last :attr:`MEMO` copies are kept with their 16-bit
     source; an operand over the same memory (the source itself or a dense view of it: a transpose, a reshape) at the
-    same version counter is served from the copy instead of upcast again. Holding the source keeps its memory from
-    being reused under the same address; the version counter moves with every in-place write through autograd's
-    view of it (not through ``.data``, as with autograd's own saved tensors). On the transformers Llama 2x64 of
+    same version counter, in the same storage, is served from the copy instead of upcast again. The storage check
+    matters: holding the source keeps its storage alive, but FSDP2 frees a gathered parameter's memory with
+    ``resize_(0)`` and the next layer's parameter may land at the same address, with its version counter preserved.
+    The version counter moves with every in-place write through autograd's view of a tensor; writes that keep it
+    (through ``.data``, or under torch's ``_unsafe_preserve_version_counter``) between two GEMMs of one forward or one
+    backward are not seen, as with autograd's own saved tensors. On the transformers Llama 2x64 of
     ``benchmarks/zoo.py`` this skipped 2.7M of the step's element upcasts in fp16.
 
     Reused: glibc's ``malloc`` hands memory above its (adaptive) mmap threshold back to the kernel when it is freed,
@@ -52,8 +61,8 @@ class _Staging:
     def __init__(self) -> None:
         self._free: list[Tensor] = []
         # (first byte, elements, dtype) -> (16-bit source, its FP32 copy, the flat buffer under it if pooled, the
-        # source's version); oldest first
-        self._memo: dict[tuple[int, int, torch.dtype], tuple[Tensor, Tensor, Tensor | None, int]] = {}
+        # source's version, (its storage, the storage's bytes)); oldest first
+        self._memo: dict[tuple[int, int, torch.dtype], tuple[Tensor, Tensor, Tensor | None, int, tuple[int, int]]] = {}
         self._retired: list[Tensor] = []  # pooled buffers that left the memo during the current op: pooled after it
         self._lock = threading.Lock()
 
@@ -69,7 +78,7 @@ class _Staging:
         n, key, version = x.numel(), (x.data_ptr(), x.numel(), x.dtype), x._version
         with self._lock:
             hit = self._memo.pop(key, None)
-            if hit is not None and hit[3] == version:
+            if hit is not None and hit[3] == version and _storage(x) == hit[4]:
                 self._memo[key] = hit  # most recently used last
                 copy = hit[1]
                 return copy.as_strided(x.size(), x.stride(), copy.storage_offset())
@@ -83,7 +92,7 @@ class _Staging:
             copy = buf.as_strided(x.size(), x.stride())  # dense and non-overlapping: exactly n elements from 0
             copy.copy_(x)
         with self._lock:
-            self._memo[key] = (x, copy, buf, version)
+            self._memo[key] = (x, copy, buf, version, _storage(x))
             if len(self._memo) > self.MEMO:  # the oldest may be an operand of this op: reused only after it
                 buf = self._memo.pop(next(iter(self._memo)))[2]
                 self._retired += [buf] if buf is not None else []

@@ -177,10 +177,11 @@ class CompensatedStep:
             raise ValueError(f"closure={closure!r} is not allowed: buckets step separately, a closure would re-run "
                              "the forward per bucket. HINT: run the forward and backward first, then call step().")
         groups = [g["params"] for g in optimizer.param_groups]
+        members = {p for ps in groups for p in ps}  # another optimizer's parameters are not this step's
         try:
             for bucket, lo in self._buckets:
-                if any(p.grad is not None for p in bucket):
-                    self._step_bucket(optimizer, groups, bucket, lo)
+                if any(p.grad is not None and p in members for p in bucket):
+                    self._step_bucket(optimizer, groups, bucket, lo, members)
             others = {p for ps in groups for p in ps if p not in self.remainders and p.grad is not None}
             if others:
                 for g, ps in zip(optimizer.param_groups, groups):
@@ -190,7 +191,7 @@ class CompensatedStep:
             for g, ps in zip(optimizer.param_groups, groups):
                 g["params"] = ps
 
-    def _step_bucket(self, optimizer, groups, bucket: list[nn.Parameter], lo: Tensor) -> None:
+    def _step_bucket(self, optimizer, groups, bucket: list[nn.Parameter], lo: Tensor, members: set) -> None:
         n = lo.numel()
         scratch = torch.empty(2 * n, dtype=torch.float32, device=lo.device)
         bits = scratch[:n].view(torch.int32)
@@ -199,7 +200,7 @@ class CompensatedStep:
         values = [v.view(h.shape) for v, h in zip(scratch[:n].split(sizes), his)]
         grads = [v.view(h.shape) for v, h in zip(scratch[n:].split(sizes), his)]
         _rebuild_into(bits, his, lo)
-        stepped = [i for i, p in enumerate(bucket) if p.grad is not None]
+        stepped = [i for i, p in enumerate(bucket) if p.grad is not None and p in members]
         torch._foreach_copy_([grads[i] for i in stepped], [local(bucket[i].grad) for i in stepped])  # exact upcast
         # FP32 stand-ins over the scratch (no copy) take the bf16 Parameters' place in the groups and their state for
         # the step. The Parameters themselves are never re-pointed: a .data of another dtype would reset their

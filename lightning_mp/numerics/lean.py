@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_mp.numerics.compensated import CompensatedStep, split_
 from lightning_mp.numerics.parity import ParityGuard
-from lightning_mp.numerics.sharding import assign, like, local, reload_shards
+from lightning_mp.numerics.sharding import assign, like, local, reload_shards, require_gather_dtype
 
 log = logging.getLogger("lightning_mp.plugin")
 
@@ -78,6 +78,8 @@ class LeanBf16:
                 "master_weights='compensated' holds one model per plugin, and a second one was set up. HINT: set up "
                 "one module (a container of both), or use master_weights=True for several."
             )
+        if sharded:
+            require_gather_dtype(module, torch.bfloat16)
         kept = set() if sharded else {p for m in module.modules() if keep_fp32(m) for p in m.parameters()}
         names: dict[nn.Parameter, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
@@ -221,9 +223,13 @@ def lean_bf16(fmt: Any, master_weights: Any, optimizer_state_dtype: Any, parity_
 
 
 def _upcast(state_dict: dict) -> dict:
-    for entry in state_dict.get("state", {}).values():
-        entry.update({k: v.float() for k, v in entry.items()
-                      if isinstance(v, Tensor) and v.dtype == torch.bfloat16 and v.dim()})
+    """``state_dict`` with its bf16 state tensors as FP32 copies (new entries: torch's hold the live state)."""
+    if "state" in state_dict:
+        state_dict["state"] = {
+            key: {k: v.float() if isinstance(v, Tensor) and v.dtype == torch.bfloat16 and v.dim() else v
+                  for k, v in entry.items()}
+            for key, entry in state_dict["state"].items()
+        }
     return state_dict
 
 

@@ -53,20 +53,43 @@ def assign(p: nn.Parameter, shard: Tensor) -> None:
         p.data = shard
 
 
+def _fsdp_groups(module: nn.Module) -> list[tuple[str, object]]:
+    """(module name, FSDP2 parameter group) for each group under ``module``, checked for the internals used here."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found: dict[int, tuple[str, object]] = {}
+    for name, m in module.named_modules():
+        if isinstance(m, FSDPModule):
+            for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", ()):
+                found.setdefault(id(group), (name or "the root", group))
+    for _, group in found.values():
+        if not (hasattr(group, "_init_mp_dtypes") and hasattr(group, "mp_policy")
+                and all(hasattr(fp, "reset_sharded_param") for fp in group.fsdp_params)):
+            raise RuntimeError(f"torch {torch.__version__}'s fully_shard lacks the internals master_weights="
+                               "'compensated' uses to change the shards' dtype. HINT: master_weights=None under FSDP2.")
+    return list(found.values())
+
+
+def require_gather_dtype(module: nn.Module, dtype: torch.dtype) -> None:
+    """Raise unless every ``fully_shard`` group gathers in ``dtype``: FSDP2 makes its gather buffers and unsharded
+    parameters once, at the first gather, in that dtype, so shards whose dtype changes later must gather in one
+    dtype before and after."""
+    for name, group in _fsdp_groups(module):
+        if group.mp_policy.param_dtype != dtype:
+            raise ValueError(
+                f"fully_shard of {name!r} with mp_policy.param_dtype={group.mp_policy.param_dtype!r} is not allowed "
+                f"with master_weights='compensated': the shards are {dtype} during the fit and FP32 after it, and "
+                f"FSDP2 keeps the buffers of its first gather, so it must gather in {dtype} throughout. HINT: "
+                "fully_shard(..., mp_policy=plugin.fsdp_mp_policy()) on every module."
+            )
+
+
 def reload_shards(module: nn.Module) -> None:
     """After sharded Parameters' ``.data`` changed dtype, make ``fully_shard`` re-read them: re-register each local
     shard and re-derive the dtypes it all-gathers and reduces in. FSDP2 does both at its first forward (it allows dtype
     changes until then) and the first in its own ``_apply``; that path swaps tensors and refuses Parameters an
     optimizer already holds, so this calls the two steps directly. They are torch internals, checked here."""
-    from torch.distributed.fsdp import FSDPModule
-
-    groups = {id(g): g for m in module.modules() if isinstance(m, FSDPModule)
-              for g in getattr(m._get_fsdp_state(), "_fsdp_param_groups", ())}
-    for group in groups.values():
-        if not all(hasattr(fp, "reset_sharded_param") for fp in group.fsdp_params) or not hasattr(
-                group, "_init_mp_dtypes"):
-            raise RuntimeError(f"torch {torch.__version__}'s fully_shard lacks the internals master_weights="
-                               "'compensated' uses to change the shards' dtype. HINT: master_weights=None under FSDP2.")
+    for _, group in _fsdp_groups(module):
         for fsdp_param in group.fsdp_params:
             fsdp_param.reset_sharded_param()
         group._init_mp_dtypes()
