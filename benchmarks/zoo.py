@@ -3,6 +3,7 @@
     python benchmarks/zoo.py                          # every model, 4 rounds x 8 steps, 1 thread
     python benchmarks/zoo.py --models gpt2-2x64 llama-2x64 --rounds 6
     python benchmarks/zoo.py --quick                  # every model at a tiny size (a smoke test)
+    python benchmarks/zoo.py --bytecodes              # also Python bytecodes per step, a count with no noise
 
 For each model, four variants train through a real ``lightning.Trainer`` on random tokens (random images for
 the ResNet): ``32-true``, Lightning's ``bf16-mixed``, and ``MixedPrecisionPlugin("bf16")`` / ``("fp16")`` with
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
+import sys
 import time
 import warnings
 import lightning as L
@@ -62,6 +64,28 @@ class StepTimer(Callback):
             torch.cuda.synchronize(pl_module.device)
         self.cpu.append(time.thread_time() - self._t0[0])
         self.wall.append(time.perf_counter() - self._t0[1])
+
+
+class BytecodeCounter(Callback):
+    """Python bytecodes the training thread runs in one training step (``on_train_batch_start`` to ``_end``), counted
+    with ``sys.settrace``'s opcode events: deterministic, so a few hundred bytecodes of overhead show where timings
+    on a shared CPU move by several percent. Counts Python only (not the C++ ops, not their cost per bytecode)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.count = step, 0
+
+    def _trace(self, frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            self.count += 1
+        return self._trace
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            sys.settrace(self._trace)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        sys.settrace(None)
 
 
 class TokenLM(L.LightningModule):
@@ -187,6 +211,20 @@ def fit(build, variant: str, args) -> tuple[float, float]:
     return statistics.median(timer.cpu[args.warmup :]), statistics.median(timer.wall[args.warmup :])
 
 
+def bytecodes(build, variant: str, args) -> int:
+    """Python bytecodes of one training step (the last of ``--steps``) of a fresh fit."""
+    L.seed_everything(0, verbose=False)
+    model, loader = build(args.quick)
+    counter = BytecodeCounter(args.steps - 1)
+    trainer = L.Trainer(
+        accelerator="cuda" if torch.cuda.is_available() else "cpu", devices=1, max_steps=args.steps,
+        callbacks=[counter], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, **VARIANTS[variant](),
+    )
+    trainer.fit(model, loader)
+    return counter.count
+
+
 def describe(build, quick: bool) -> str:
     """What the zoo trains, from the model and the data themselves: the class, parameters, one batch's shape."""
     model, loader = build(quick)
@@ -231,6 +269,8 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="steps dropped at the start of every fit (default 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--quick", action="store_true", help="tiny models, 3 steps of which 1 warm-up (for tests)")
+    parser.add_argument("--bytecodes", action="store_true",
+                        help="also count the Python bytecodes of one training step per variant (deterministic)")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup = 3, 1
@@ -260,7 +300,7 @@ def main(argv=None) -> None:
           f"{args.warmup} warm-up step(s) dropped per fit; ms: CPU time of the training thread per step, "
           "median over rounds; ratios: median per-round ratio [range over rounds]\n", flush=True)
 
-    rows, all_errors = [], []
+    rows, all_errors, counts = [], [], {}
     for name in models:
         build = MODELS[name][0]
         try:
@@ -271,6 +311,8 @@ def main(argv=None) -> None:
         all_errors += [f"{name} / {v}: {e}" for v, e in errors.items()]
         rows.append([name, *(_ms(times, v, 0) for v in VARIANTS),
                      *(_ratio(times, n, d, c) for _, n, d in RATIOS for c in (0, 1))])
+        if args.bytecodes:
+            counts[name] = [str(bytecodes(build, v, args)) if v not in errors else "error" for v in VARIANTS]
         print(f"{name}: {what} done", flush=True)
 
     header = ["model", *(f"{v} ms" for v in VARIANTS), *(f"{c} ({k})" for c, _, _ in RATIOS for k in ("CPU", "wall"))]
@@ -279,6 +321,12 @@ def main(argv=None) -> None:
     print("|---|" + "---:|" * (len(header) - 1))
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    if counts:
+        print("\nPython bytecodes in one training step (deterministic; the Trainer's own included)\n")
+        print("| model | " + " | ".join(VARIANTS) + " |")
+        print("|---|" + "---:|" * len(VARIANTS))
+        for name, row in counts.items():
+            print(f"| {name} | " + " | ".join(row) + " |")
     for line in all_errors:
         print(f"ERROR {line}")
 

@@ -2,6 +2,7 @@
 per model with positive step times and ratios; a variant that raises is reported in its row and the zoo goes on;
 without transformers its models are skipped with one line."""
 
+import argparse
 import importlib.util
 import logging
 import os
@@ -82,3 +83,19 @@ def test_without_transformers_its_models_are_skipped_with_the_install_hint(zoo, 
     output = capsys.readouterr().out
     assert 'skipped gpt2-2x64, llama-2x64: transformers is not installed (pip install -e ".[bench]")' in output
     assert _table(output)[1] == {}
+
+
+@pytest.mark.slow
+def test_bytecode_counts_are_deterministic_and_printed_as_a_second_table(zoo, capsys):
+    args = argparse.Namespace(quick=True, steps=3)
+    build = zoo.MODELS["gpt"][0]
+    first = zoo.bytecodes(build, "ours bf16", args)
+    assert first > 1000 and zoo.bytecodes(build, "ours bf16", args) == first  # no noise: the same count again
+    assert zoo.bytecodes(build, "fp32", args) < first  # the plugin's hooks and checks are Python the count sees
+    zoo.main(["--quick", "--rounds", "1", "--models", "gpt", "--bytecodes"])
+    output = capsys.readouterr().out
+    table = output.split("Python bytecodes in one training step")[1]
+    header, rows = _table(table)
+    assert header == ["model", *zoo.VARIANTS] and list(rows) == ["gpt"]
+    assert all(cell.isdigit() and int(cell) > 1000 for cell in rows["gpt"])
+    assert rows["gpt"][list(zoo.VARIANTS).index("ours bf16")] == str(first)

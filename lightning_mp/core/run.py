@@ -31,6 +31,7 @@ from lightning_mp.doctor.report import OverflowReport
 from lightning_mp.formats import Format, check_device_supports, resolve_precision
 from lightning_mp.gemm.emulation import GemmEmulation
 from lightning_mp.numerics.distributed import average_fp32_grads_per_step
+from lightning_mp.numerics.grad_layout import optimizer_params
 from lightning_mp.numerics.lean import lean_bf16
 from lightning_mp.numerics.loss_scaler import LossScaler, ScalerSettings
 from lightning_mp.numerics.master_weights import MasterWeights
@@ -142,7 +143,7 @@ class MixedPrecisionCore:
             hold = self.policy.activate(on=policy_on)
             self._handles.append(hold)
             self._hold = hold if policy_on else None
-            self._handles.append(self.policy.install(model, self.device_type))
+            self._handles.append(self.policy.install(model, self.device_type, kernels_active=True))
             if self.autopilot is not None:
                 self.autopilot.attach(root, self.device_type)
                 self._handles.append(self.autopilot)
@@ -214,7 +215,7 @@ class MixedPrecisionCore:
         """Skip (``None``) or step; the stepped parameters' copies are refreshed at the next forward."""
         output = self.step.step(optimizer, **kwargs)
         if self.masters is not None:
-            self.masters.mark_stale(p for group in optimizer.param_groups for p in group["params"])
+            self.masters.mark_stale(optimizer_params(optimizer))
         return output
 
     def end_training_step(self, step: int | None, rank_zero: bool = True) -> None:
@@ -261,7 +262,7 @@ class MixedPrecisionCore:
 
         output = optimizer.step(closure=evaluate, **kwargs)
         if self.masters is not None:
-            self.masters.mark_stale(p for group in optimizer.param_groups for p in group["params"])
+            self.masters.mark_stale(optimizer_params(optimizer))
         self.end_training_step(step)  # never a skip here (a non-finite evaluation raised); resets the locator
         return output
 

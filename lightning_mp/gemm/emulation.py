@@ -180,8 +180,11 @@ def _kernel(op: Any) -> Callable[..., Any]:
         ):
             raise NotImplementedError(f"{op} has no derivative in torch, so it cannot run on tensors that require "
                                       "grad. HINT: call it under torch.no_grad().")
-        if state is not None and any(isinstance(a, Tensor) and a.dtype == state[0] for a in args):
-            return _emulate(op, state[0], args, kwargs, state[1], below=True)
+        if state is not None:
+            dtype = state[0]
+            for a in args:  # a loop, not any(<generator>): this runs for every GEMM of the forward and the backward
+                if isinstance(a, Tensor) and a.dtype == dtype:
+                    return _emulate(op, dtype, args, kwargs, state[1], below=True)
         with _BELOW():  # on to the backend's kernel (and any dispatch mode under this key)
             return op(*args, **kwargs)
 

@@ -13,11 +13,14 @@ def _dense(x: Tensor) -> bool:
     channels-last, a transpose): then a flat buffer viewed with ``x``'s strides holds exactly ``x``."""
     if x.is_contiguous():  # the common case, one C call
         return True
+    stride, size = x.stride(), x.size()
+    if len(stride) == 2:  # a weight's .t() in a linear's GEMM: its transpose is contiguous
+        return stride[0] == 1 and stride[1] == size[0]
     expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(x.stride(), x.size()) if sz != 1):
-        if stride != expected:
+    for stride_, size_ in sorted((st, sz) for st, sz in zip(stride, size) if sz != 1):
+        if stride_ != expected:
             return False
-        expected *= size
+        expected *= size_
     return True
 
 
@@ -25,6 +28,19 @@ def _storage(x: Tensor) -> tuple[int, int]:
     """Which storage ``x`` lives in, and how many bytes it has now (0 once freed by ``resize_(0)``)."""
     storage = x.untyped_storage()
     return storage._cdata, storage.nbytes()
+
+
+class _PerThread(threading.local):
+    """A thread's remembered copies, its pooled buffers and the buffers to pool after the current op. Per thread, so
+    that ``take`` needs no lock (it runs for every 16-bit operand of every emulated op): the forward, the backward and
+    checkpointing's recomputation of CPU tensors run on the thread that called them."""
+
+    def __init__(self) -> None:
+        # (first byte, elements, dtype) -> (16-bit source, its FP32 copy, the flat buffer under it if pooled, the
+        # source's version, (its storage, the storage's bytes)); oldest first
+        self.memo: dict[tuple[int, int, torch.dtype], tuple[Tensor, Tensor, Tensor | None, int, tuple[int, int]]] = {}
+        self.free: list[Tensor] = []
+        self.retired: list[Tensor] = []
 
 
 class _Staging:
@@ -51,7 +67,9 @@ class _Staging:
     which keeps the :attr:`KEEP` largest.
 
     Cost: at most ``MEMO`` copies (and their sources) and ``KEEP`` pooled buffers, 4 bytes per element, between the
-    ops of one forward or one backward; nothing between them (:meth:`clear`).
+    ops of one forward or one backward; nothing between them (:meth:`clear`). Kept per thread (:class:`_PerThread`):
+    a ``take`` runs for every 16-bit operand of every emulated op, ~110 a step on the zoo's Llama in fp16, and a lock
+    there cost a sixth of its Python.
     """
 
     MIN_BYTES = 1 << 20
@@ -59,14 +77,17 @@ class _Staging:
     MEMO = 4
 
     def __init__(self) -> None:
-        self._free: list[Tensor] = []
-        # (first byte, elements, dtype) -> (16-bit source, its FP32 copy, the flat buffer under it if pooled, the
-        # source's version, (its storage, the storage's bytes)); oldest first
-        self._memo: dict[tuple[int, int, torch.dtype], tuple[Tensor, Tensor, Tensor | None, int, tuple[int, int]]] = {}
-        self._retired: list[Tensor] = []  # pooled buffers that left the memo during the current op: pooled after it
-        self._lock = threading.Lock()
+        self._state = _PerThread()
 
-    def __reduce__(self):  # a pickled plugin (ddp_spawn) or a deepcopy starts with no buffers and its own lock
+    @property
+    def _memo(self) -> dict:
+        return self._state.memo
+
+    @property
+    def _free(self) -> list[Tensor]:
+        return self._state.free
+
+    def __reduce__(self):  # a pickled plugin (ddp_spawn) or a deepcopy starts with no buffers
         return (type(self), ())
 
     def take(self, x: Tensor) -> Tensor:
@@ -75,47 +96,55 @@ class _Staging:
         if not x.is_cpu or x.is_inference() or not _dense(x):
             return x.to(torch.float32)
         # a dense tensor covers exactly [data_ptr, data_ptr + numel * itemsize): its first byte and length name it
-        n, key, version = x.numel(), (x.data_ptr(), x.numel(), x.dtype), x._version
-        with self._lock:
-            hit = self._memo.pop(key, None)
-            if hit is not None and hit[3] == version and _storage(x) == hit[4]:
-                self._memo[key] = hit  # most recently used last
-                copy = hit[1]
-                return copy.as_strided(x.size(), x.stride(), copy.storage_offset())
-            fits = [i for i, b in enumerate(self._free) if b.numel() >= n] if n * 4 >= self.MIN_BYTES else []
-            buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel())) if fits else None
-        if buf is None and n * 4 >= self.MIN_BYTES:
-            buf = torch.empty(n, dtype=torch.float32, device=x.device)
+        memo = self._state.memo
+        key = (x.data_ptr(), x.numel(), x.dtype)
+        hit = memo.pop(key, None)
+        if hit is not None and hit[3] == x._version and _storage(x) == hit[4]:
+            memo[key] = hit  # most recently used last
+            copy = hit[1]
+            return copy.as_strided(x.size(), x.stride(), copy.storage_offset())
+        return self._copy(x, key)
+
+    def _copy(self, x: Tensor, key: tuple[int, int, torch.dtype]) -> Tensor:
+        state, n = self._state, key[1]
+        buf = None
+        if n * 4 >= self.MIN_BYTES:
+            fits = [i for i, b in enumerate(state.free) if b.numel() >= n]
+            buf = state.free.pop(min(fits, key=lambda i: state.free[i].numel())) if fits else None
+            buf = torch.empty(n, dtype=torch.float32, device=x.device) if buf is None else buf
         if buf is None:
             copy = x.to(torch.float32)  # a dense tensor keeps its strides: its bytes map onto the copy's one to one
         else:
             copy = buf.as_strided(x.size(), x.stride())  # dense and non-overlapping: exactly n elements from 0
             copy.copy_(x)
-        with self._lock:
-            self._memo[key] = (x, copy, buf, version, _storage(x))
-            if len(self._memo) > self.MEMO:  # the oldest may be an operand of this op: reused only after it
-                buf = self._memo.pop(next(iter(self._memo)))[2]
-                self._retired += [buf] if buf is not None else []
+        memo = state.memo
+        memo[key] = (x, copy, buf, x._version, _storage(x))
+        if len(memo) > self.MEMO:  # the oldest may be an operand of this op: reused only after it
+            old = memo.pop(next(iter(memo)))[2]
+            if old is not None:
+                state.retired.append(old)
         return copy
 
     def done(self, out) -> None:
         """After an op: a copy that an output of it lives in (a view of an operand) is the output's now; the buffers
         that left the memo during the op go to the pool, which keeps the largest (they serve every smaller operand)."""
+        state = self._state
+        if isinstance(out, Tensor) and out.dtype != torch.float32 and not state.retired:
+            return  # the common case: one 16-bit result (emulated ops round theirs to 16 bits, new tensors)
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        # only an FP32 output can live in an FP32 copy (emulated ops round theirs to 16 bits, new tensors)
+        # only an FP32 output can live in an FP32 copy
         used = {o.untyped_storage().data_ptr() for o in outs if isinstance(o, Tensor) and o.dtype == torch.float32}
-        if not used and not self._retired:
-            return
-        with self._lock:
-            if used:
-                self._memo = {k: m for k, m in self._memo.items() if m[1].untyped_storage().data_ptr() not in used}
-            retired = [b for b in self._retired if b.untyped_storage().data_ptr() not in used]
-            self._free = sorted([*self._free, *retired], key=Tensor.numel)[-self.KEEP :]
-            self._retired.clear()
+        if used:
+            state.memo = {k: m for k, m in state.memo.items() if m[1].untyped_storage().data_ptr() not in used}
+        if state.retired:
+            retired = [b for b in state.retired if b.untyped_storage().data_ptr() not in used]
+            state.free = sorted([*state.free, *retired], key=Tensor.numel)[-self.KEEP :]
+            state.retired.clear()
 
     def clear(self) -> None:
-        """Let the copies and buffers go (at the end of each forward and each backward): none stay between steps."""
-        with self._lock:
-            self._free.clear()
-            self._memo.clear()
-            self._retired.clear()
+        """Let this thread's copies and buffers go (at the end of each forward and each backward): none stay between
+        steps."""
+        state = self._state
+        state.free.clear()
+        state.memo.clear()
+        state.retired.clear()

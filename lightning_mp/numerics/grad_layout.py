@@ -42,6 +42,7 @@ _GRAD = operator.attrgetter("grad")
 _DTYPE = operator.attrgetter("dtype")
 _IS_SPARSE = operator.attrgetter("is_sparse")
 _IS_NONE = functools.partial(operator.is_, None)
+_PARAMS = operator.itemgetter("params")
 
 # A loose gradient this small is copied into one concatenation for the CPU check: copying 16 KB costs less than the
 # ~2 us of one more reduction op.
@@ -69,7 +70,7 @@ class Grads(NamedTuple):
 
 
 def optimizer_params(optimizer: Optimizer) -> list[Tensor]:
-    return list(chain.from_iterable([group["params"] for group in optimizer.param_groups]))
+    return list(chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
 
 
 class GradLayout:

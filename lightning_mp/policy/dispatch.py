@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch._C import DispatchKey, DispatchKeySet
 
-from lightning_mp.formats import HALF_DTYPES, upcast
+from lightning_mp.formats import HALF_DTYPES
 from lightning_mp.policy.aten import AUTOCAST_KEYS, BATCH_NORM, SET_DTYPE, Rule
 from lightning_mp.policy.mode import _native_mixed_batch_norm
 
@@ -57,11 +57,12 @@ _FP32 = torch.float32
 
 
 def _up(obj: Any) -> Any:
-    """A 16-bit floating tensor as FP32 (also inside a Tensor[] list); everything else as it is."""
+    """A 16-bit floating tensor as FP32 (also inside a Tensor[] list); everything else as it is. Runs per argument
+    of every listed op call: kept to a few bytecodes for a tensor and for an int list (``normalized_shape``)."""
     if isinstance(obj, torch.Tensor):
-        return upcast(obj)
+        return obj.float() if obj.dtype in HALF_DTYPES else obj
     if isinstance(obj, (list, tuple)) and any(isinstance(item, torch.Tensor) for item in obj):
-        return type(obj)(_up(item) for item in obj)
+        return type(obj)(map(_up, obj))
     return obj
 
 
@@ -131,10 +132,12 @@ def _make_kernel(
         def set_dtype_kernel(*args: Any, **kwargs: Any) -> Any:
             if not on[0] and off is not None:
                 return off(*args, **kwargs)
+            if args[0].dtype not in HALF_DTYPES:  # FP32/FP64 inputs need nothing (RMSNorm's mean of its FP32 copy)
+                with exclude(_NO_AUTOCAST):
+                    return op(*args, **kwargs)
             positional = not kwarg_only and len(args) > index
             given = args[index] if positional else kwargs.get("dtype")
-            # an explicit dtype is the caller's precision; FP32/FP64 inputs need nothing
-            if given is None and args[0].dtype in HALF_DTYPES:
+            if given is None:  # an explicit dtype is the caller's precision
                 if positional:
                     args = (*args[:index], _FP32, *args[index + 1 :])
                 else:
@@ -144,13 +147,15 @@ def _make_kernel(
 
         return set_dtype_kernel
 
+    batch_norm = rule.kind == BATCH_NORM
+
     def upcast_kernel(*args: Any, **kwargs: Any) -> Any:
         if not on[0] and off is not None:
             return off(*args, **kwargs)
         # batch norm with a 16-bit input and FP32 weight and statistics runs mixed-dtype natively: statistics in
         # FP32 inside the kernel, no FP32 copy of the activation for autograd to keep (see _native_mixed_batch_norm)
-        if not (rule.kind == BATCH_NORM and _native_mixed_batch_norm(args[0], args[1:5])):
-            args = tuple(_up(arg) for arg in args)
+        if not (batch_norm and _native_mixed_batch_norm(args[0], args[1:5])):
+            args = tuple(map(_up, args))
             if kwargs:
                 kwargs = {name: _up(value) for name, value in kwargs.items()}
         with exclude(_NO_AUTOCAST):

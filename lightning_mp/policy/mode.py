@@ -36,10 +36,12 @@ so only the composite itself is intercepted, not what it calls.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from itertools import repeat
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_mp.formats import HALF_DTYPES, upcast
@@ -115,6 +117,8 @@ def _autocast_enabled(device_type: str) -> bool:
 # FP32 output to the next layer. Other devices (and 16-bit weights or statistics) keep the upcast.
 _NATIVE_MIXED_BATCH_NORM_DEVICES = frozenset({"cpu", "cuda"})
 _BATCH_NORM_FUNCS = frozenset({F.batch_norm, torch.batch_norm, torch.native_batch_norm})
+_FLAT = frozenset({torch.Tensor, nn.Parameter, type(None), float, bool, int})  # not nested, no subclass to trace
+_NOT_FP32 = frozenset({torch.float16, torch.bfloat16, torch.float64})  # floating and not FP32
 
 
 def _native_mixed_batch_norm(input: Any, others: Iterable[Any]) -> bool:  # noqa: A002 (torch's name)
@@ -125,6 +129,8 @@ def _native_mixed_batch_norm(input: Any, others: Iterable[Any]) -> bool:  # noqa
         return False
     if not (input.is_cpu or input.device.type in _NATIVE_MIXED_BATCH_NORM_DEVICES):
         return False
+    if isinstance(others, tuple) and not {*map(type, others)} - _FLAT:  # batch_norm's own arguments: C-level passes
+        return not {*map(getattr, others, repeat("dtype"), repeat(None))} & _NOT_FP32
     stack = list(others)
     while stack:
         item = stack.pop()

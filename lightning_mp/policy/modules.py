@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
 
 from lightning_mp.formats import HALF_DTYPES
 from lightning_mp.policy.mode import _native_mixed_batch_norm
@@ -135,6 +136,25 @@ class _Fp32ForwardHooks:
             elif enabled:
                 torch.set_autocast_enabled(device_type, True)
         return None
+
+
+# Forwards that compute in FP32 without hooks wherever the policy's kernels are active: one call to an op the kernels
+# compute in FP32 (they upcast its 16-bit inputs as the pre-hook would; batch norm's takes a 16-bit input as it is
+# where the hooks would too), or none that autocast touches (an FP32 table's lookup is FP32). Subclasses that keep the forward count too. Hooks cost ~350 Python bytecodes per call
+# (nn.Module's hooked call path, the two hooks, the input walk), seven times the kernel's.
+_ONE_OP_FORWARDS: dict[Callable[..., Any], str | None] = {
+    nn.LayerNorm.forward: "layer_norm", nn.GroupNorm.forward: "group_norm", nn.RMSNorm.forward: "rms_norm",
+    _BatchNorm.forward: "batch_norm", _InstanceNorm.forward: "instance_norm", nn.Embedding.forward: None,
+}
+
+
+def needs_hooks(module: nn.Module, kernel_ops: frozenset[str] | None) -> bool:
+    """Whether a kept module's forward needs the FP32 hooks; ``kernel_ops``: the ops the active kernels compute in
+    FP32 wherever the module runs, ``None`` where no kernels are active (every kept module needs them then)."""
+    if kernel_ops is None:
+        return True
+    op = _ONE_OP_FORWARDS.get(type(module).forward, "")
+    return op is not None and op not in kernel_ops
 
 
 class Fp32ModuleHandle:

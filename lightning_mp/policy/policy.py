@@ -31,7 +31,7 @@ from lightning_mp.policy.aten import OpReach, kernel_plan, reach_of
 from lightning_mp.policy.describe import describe_policy
 from lightning_mp.policy.dispatch import Fp32Activation, switched_on
 from lightning_mp.policy.mode import _Fp32OpMode
-from lightning_mp.policy.modules import Fp32ModuleHandle, _Fp32ForwardHooks, refuse_16_bit_batch_norm
+from lightning_mp.policy.modules import Fp32ModuleHandle, _Fp32ForwardHooks, needs_hooks, refuse_16_bit_batch_norm
 from lightning_mp.policy.ops import (
     _DTYPE_OPS,
     BF16_FP32_OPS,
@@ -250,14 +250,16 @@ class Fp32Policy:
 
         return context_fn
 
-    def install(self, root: nn.Module, device_type: str) -> Fp32ModuleHandle:
+    def install(self, root: nn.Module, device_type: str, kernels_active: bool = False) -> Fp32ModuleHandle:
         """Run the forward of every submodule with ``keeps_fp32(m)`` in FP32.
 
         16-bit floating inputs (args and kwargs, nested) are upcast to float32 and
         autocast is disabled for ``device_type`` during that forward; outputs are FP32. The exception is BatchNorm
         with FP32 parameters and statistics on CPU and CUDA: its kernels take the 16-bit input as it is, compute the
         statistics in FP32 inside and return a 16-bit output (no FP32 copy of the activation for autograd to keep).
-        Forward hooks, so the modules' ``forward`` is never replaced; ``handle.remove()`` takes them out again."""
+        Forward hooks, so the modules' ``forward`` is never replaced; ``handle.remove()`` takes them out again.
+        ``kernels_active``: the kernels are active wherever the model runs (a plugin's fit); modules whose forward
+        is one listed op (``nn.LayerNorm``...) or an embedding lookup then compute in FP32 without hooks."""
         if not isinstance(root, nn.Module):
             raise TypeError(f"install() expects an nn.Module as root, got {type(root).__name__}.")
         if isinstance(device_type, torch.device):
@@ -276,7 +278,8 @@ class Fp32Policy:
         for module in root.modules():
             if self.keeps_fp32(module):
                 modules.append(module)
-                handles.extend(hooks.attach(module))
+                if needs_hooks(module, self._ops if kernels_active else None):
+                    handles.extend(hooks.attach(module))
         return Fp32ModuleHandle(tuple(modules), handles)
 
     def describe(self) -> str:
