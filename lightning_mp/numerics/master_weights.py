@@ -6,24 +6,23 @@ must update FP32 values, and gradients of several micro-batches must be summed i
 
 The invariant: a Parameter is never swapped, re-dtyped or re-pointed. It holds its exact FP32 value whenever user
 code, a callback, a checkpoint, a signal handler or an optimizer can look. The 16-bit copies are tensors of our
-own; only the model's forward sees them:
+own; only a module's own forward sees them:
 
-* a forward pre-hook on the model and on the modules up to two calls below it (the covers,
-  :mod:`lightning_mp.numerics.copies`) puts the copies of every converted parameter of its subtree in their modules'
-  instance ``__dict__`` under the parameters' names (instance attributes win over ``nn.Module.__getattr__``, which
-  reads ``_parameters``), and an always-called forward hook takes them out again. So inside the model's forward
-  ``self.weight`` is the 16-bit copy, and ``module.weight``, ``parameters()`` and ``state_dict()`` everywhere else
-  are the FP32 Parameters. Activation checkpointing recomputes on the copies (under a cover's hooks) or on the same
-  rounding of the FP32 Parameters (under the autocast it replays): the same values either way.
+* a forward pre-hook on each module that owns converted parameters puts the copies in the module's instance
+  ``__dict__`` under the parameters' names (instance attributes win over ``nn.Module.__getattr__``, which reads
+  ``_parameters``), and an always-called forward hook takes them out again. So ``self.weight`` inside ``forward``
+  is the 16-bit copy, and ``module.weight``, ``parameters()`` and ``state_dict()`` everywhere else are the FP32
+  Parameters. Activation checkpointing re-runs the forward, and with it the hooks: the recomputation reads the same
+  copies (they are refreshed only when their master changed, never in the middle of a graph).
 * the copies are autograd leaves; after each backward :meth:`MasterWeights.fold_grads` adds their 16-bit gradients
   into the Parameters' FP32 ``.grad`` and drops them. ``zero_grad``, accumulation, ``retain_graph`` and several
   backwards through one graph therefore act on the FP32 gradients the user means.
-* anything that reads a Parameter outside a cover's forward (a module deeper than the covers called on its own from
-  ``training_step``, a method other than ``forward``, ``torch.compile``d code, where the hooks step aside) reads the
-  FP32 Parameter, which autocast casts per use and autograd differentiates into the FP32 ``.grad``: Lightning's
-  ``bf16-mixed`` semantics, also exact.
+* anything that reads a Parameter outside its module's forward (a tied output head written as
+  ``x @ self.embed.weight.T``, a method other than ``forward``, ``torch.compile``d code, where the hooks step
+  aside) reads the FP32 Parameter, which autocast casts per use and autograd differentiates into the FP32 ``.grad``:
+  Lightning's ``bf16-mixed`` semantics, also exact.
 
-Refresh (one fused cast-copy, round to nearest): lazily, at the first cover's forward after :meth:`begin` or
+Refresh (one fused cast-copy, round to nearest): lazily, at the first hooked forward after :meth:`begin` or
 :meth:`mark_stale`, so a write in ``training_step`` before the forward (WGAN's ``p.data.clamp_``) is seen.
 ``begin(force=True)`` refreshes every trainable copy (``.data`` writes do not move a tensor's version counter);
 otherwise a copy is refreshed when its master's version counter or storage moved. A frozen parameter's copy is
@@ -55,7 +54,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from lightning_mp.formats import HALF_DTYPES
-from lightning_mp.numerics.copies import Cover, flat_views, fold_grads, select_covers
+from lightning_mp.numerics.copies import flat_views, fold_grads
 
 _DTYPE, _DEVICE, _VERSION = attrgetter("dtype"), attrgetter("device"), attrgetter("_version")
 _REQUIRES_GRAD, _DATA_PTR = attrgetter("requires_grad"), Tensor.data_ptr
@@ -89,14 +88,12 @@ class MasterWeights:
         self._dtypes, self._devices = [], []  # the masters' dtypes and the copies' devices at the build
         self._slot: dict[nn.Parameter, int] = {}
         self._slot_of: dict[int, int] = {}  # the same by id(Parameter)
-        self._covers: dict[int, Cover] = {}  # id(module) -> what its forward shows
-        self._inside: dict[int, int] = {}  # id(module) -> covers in progress that show it
-        self._stack: list[list] = []  # [cover, times re-entered] of the covers in progress, outermost first
-        self._pair: dict[int, list] = {}  # id(cover) -> its hook handles
-        self._outer: set[int] = set()
-        self._inner: set[int] = set()
-        self._watch = True
-        self._pending, self._force, self._warned = True, True, False
+        # id(module) -> [(name, param, slot)]; slot -1: a parameter to re-examine (lazy, or frozen 16-bit)
+        self._entries: dict[int, list[tuple[str, nn.Parameter, int]]] = {}
+        self._depth: dict[int, int] = {}
+        self._pending = True
+        self._force = True
+        self._warned = False
 
     # ------------------------------------------------------------------ set-up
     def convert(self, module: nn.Module) -> nn.Module:
@@ -120,7 +117,7 @@ class MasterWeights:
                     kept.update(mod.parameters(recurse=False))  # renormalises its weight in place in forward
         params: list[nn.Parameter] = []
         slot: dict[nn.Parameter, int] = {}
-        owned: dict[int, list[tuple[nn.Module, str, nn.Parameter, int]]] = {}  # per module, its own parameters
+        entries: dict[int, list[tuple[str, nn.Parameter, int]]] = {}
         upcast, upcast_dtype = 0, None
         for root in self._roots:
             for mod in root.modules():
@@ -134,7 +131,7 @@ class MasterWeights:
                             p.data = p.data.float()
                         continue
                     if is_lazy(p) or (p.dtype in HALF_DTYPES and not p.requires_grad):
-                        own.append((mod, name, p, -1))  # re-examined when materialized or unfrozen
+                        own.append((name, p, -1))  # re-examined when materialized or unfrozen
                         continue
                     if p.dtype in HALF_DTYPES:
                         upcast, upcast_dtype = upcast + 1, p.dtype
@@ -144,18 +141,13 @@ class MasterWeights:
                     if p not in slot:
                         slot[p] = len(params)
                         params.append(p)
-                    own.append((mod, name, p, slot[p]))
+                    own.append((name, p, slot[p]))
                 if own:
-                    owned[id(mod)] = own
-        covers = select_covers(self._roots, owned)
-        for cover, _ in covers.values():
-            if id(cover) not in self._hooked:
-                self._hooked.add(id(cover))
-                pair = [cover.register_forward_pre_hook(self._install),
-                        cover.register_forward_hook(self._uninstall, always_call=True)]
-                self._handles += pair
-                self._pair[id(cover)] = pair
-        self._outer, self._inner, self._watch = set(), set(), True  # covers seen called outside any cover, inside one
+                    entries[id(mod)] = own
+                    if id(mod) not in self._hooked:
+                        self._hooked.add(id(mod))
+                        self._handles.append(mod.register_forward_pre_hook(self._install))
+                        self._handles.append(mod.register_forward_hook(self._uninstall, always_call=True))
         if upcast and not self._warned:
             self._warned = True
             warnings.warn(
@@ -164,9 +156,9 @@ class MasterWeights:
                 "let MixedPrecisionPlugin make the 16-bit copies (frozen 16-bit parameters stay 16-bit).",
                 stacklevel=3,
             )
-        self.params, self._slot, self._slot_of = params, slot, {id(p): i for p, i in slot.items()}
+        self.params, self._slot, self._entries = params, slot, entries
+        self._slot_of = {id(p): i for p, i in slot.items()}
         self._copies = flat_views(params, self.dtype, leaf=True)
-        self._covers = {key: Cover.of(cover, subtree, self._copies, covers) for key, (cover, subtree) in covers.items()}
         self._grad_views = flat_views(params, torch.float32, leaf=False)
         self._seen = [None] * len(params)
         self._dtypes, self._devices = list(map(_DTYPE, params)), [c.device for c in self._copies]
@@ -175,17 +167,9 @@ class MasterWeights:
 
     # ------------------------------------------------------------------ per step
     def begin(self, force: bool = False) -> None:
-        """A step starts: refresh the copies at the next hooked forward; ``force`` refreshes every trainable one.
-        After the first forwards since the build, the covers seen called only inside another cover lose their hooks
-        (a pair costs ~130 bytecodes per call even when it steps aside)."""
+        """A step starts: refresh the copies at the next hooked forward; ``force`` refreshes every trainable one."""
         if not self._built:
             self._build()  # hooks the modules; the parameters are on their device by now
-        elif self._outer:
-            for key in self._inner - self._outer:
-                for handle in self._pair.pop(key, ()):
-                    handle.remove()
-            self._outer, self._inner = set(), set()  # observed once per build: then no bookkeeping
-            self._watch = False
         self._pending = True
         self._force = self._force or force
 
@@ -229,45 +213,45 @@ class MasterWeights:
     def _install(self, module: nn.Module, args) -> None:
         if torch.compiler.is_compiling():
             return  # compiled code reads the FP32 Parameters under autocast (bf16-mixed semantics)
-        key = id(module)
-        if self._inside.get(key):  # inside the forward of a cover that showed this module's subtree already
-            if self._stack and self._stack[-1][0] is module:
-                self._stack[-1][1] += 1  # a cover called inside its own forward
-            elif self._watch:
-                self._inner.add(key)
-            return
         if self._pending:
             self._refresh()
-        cover = self._covers.get(key)
-        if cover is None:
+        entries = self._entries.get(id(module))
+        if entries is None:
             return
-        if not cover.show():  # a Parameter materialized, unfrozen, replaced or pruned since the build
-            self._build()
-            self._force = True
-            self._refresh()
-            return self._install(module, args)
-        self._stack.append([module, 0])
-        if self._watch:
-            self._outer.add(key)
-        inside = self._inside
-        for k in cover.nested:
-            inside[k] = inside.get(k, 0) + 1
+        key = id(module)
+        depth = self._depth.get(key, 0)
+        self._depth[key] = depth + 1
+        if depth:
+            return  # a module called inside its own forward: installed already
+        params, d = module._parameters, module.__dict__
+        copies = self._copies
+        for name, p, i in entries:
+            if i < 0 and params.get(name) is p and (is_lazy(p) or not p.requires_grad):
+                continue  # still lazy, or a frozen 16-bit parameter: no copy
+            if i < 0 or params.get(name) is not p:  # materialized, unfrozen, replaced or pruned since the build
+                self._build()
+                self._force = True
+                self._refresh()
+                self._depth[key] = 0
+                return self._install(module, args)
+            c = copies[i]
+            if c.requires_grad != p.requires_grad:  # frozen or unfrozen since the last refresh (BaseFinetuning)
+                c.requires_grad_(p.requires_grad)
+            d[name] = c
 
     def _uninstall(self, module: nn.Module, args, output) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # nothing was installed (see _install)
             return
-        stack = self._stack
-        if not stack or stack[-1][0] is not module:
-            return  # covered by an outer cover's forward, or nothing was installed (compiling, no entries)
-        if stack[-1][1]:
-            stack[-1][1] -= 1
+        key = id(module)
+        depth = self._depth.get(key, 0)
+        if depth > 1:
+            self._depth[key] = depth - 1
             return
-        stack.pop()
-        cover = self._covers[id(module)]
-        inside = self._inside
-        for k in cover.nested:
-            inside[k] -= 1
-        cover.hide()
+        self._depth.pop(key, None)
+        d = module.__dict__
+        for name, _, i in self._entries.get(key, ()):
+            if i >= 0 and d.get(name) is self._copies[i]:
+                del d[name]
 
     def fold_grads(self) -> None:
         """Add the copies' 16-bit gradients into the Parameters' FP32 ``.grad`` and drop them (one fused pass each:
@@ -280,8 +264,11 @@ class MasterWeights:
         self.fold_grads()
         for handle in self._handles:
             handle.remove()
-        for cover in self._covers.values():
-            cover.hide()
+        for root in self._roots:
+            for mod in root.modules():
+                for name, _, i in self._entries.get(id(mod), ()):
+                    if i >= 0 and mod.__dict__.get(name) is self._copies[i]:
+                        del mod.__dict__[name]
         self.__init__(self.dtype, self._keep_fp32)
 
     def __deepcopy__(self, memo) -> MasterWeights:
