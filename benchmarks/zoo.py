@@ -197,33 +197,31 @@ VARIANTS = {
 RATIOS = [("ours bf16 / bf16-mixed", "ours bf16", "bf16-mixed"), ("ours fp16 / fp32", "ours fp16", "fp32")]
 
 
-def fit(build, variant: str, args) -> tuple[float, float]:
-    """One short fit of a fresh model; the median (CPU, wall) seconds of its timed steps."""
+def _fit(build, variant: str, args, callback: Callback) -> None:
+    """One short fit of a fresh model from the same seed, with ``callback`` watching its steps."""
     L.seed_everything(0, verbose=False)
     model, loader = build(args.quick)
-    timer = StepTimer()
     trainer = L.Trainer(
         accelerator="cuda" if torch.cuda.is_available() else "cpu", devices=1, max_steps=args.steps,
-        callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, **VARIANTS[variant](),
     )
     trainer.fit(model, loader)
+
+
+def fit(build, variant: str, args) -> tuple[float, float]:
+    """One short fit of a fresh model; the median (CPU, wall) seconds of its timed steps."""
+    timer = StepTimer()
+    _fit(build, variant, args, timer)
     return statistics.median(timer.cpu[args.warmup :]), statistics.median(timer.wall[args.warmup :])
 
 
 def bytecodes(build, variant: str, args) -> int:
     """Python bytecodes of one training step (the last of ``--steps``) of a fresh fit, in a warm process: a first fit
     runs untraced (the first fit of a process also runs one-time work: imports, caches, kernel registrations)."""
-    for _ in range(2):
-        L.seed_everything(0, verbose=False)
-        model, loader = build(args.quick)
-        counter = BytecodeCounter(args.steps - 1)
-        trainer = L.Trainer(
-            accelerator="cuda" if torch.cuda.is_available() else "cpu", devices=1, max_steps=args.steps,
-            callbacks=[counter], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, **VARIANTS[variant](),
-        )
-        trainer.fit(model, loader)
+    _fit(build, variant, args, Callback())
+    counter = BytecodeCounter(args.steps - 1)
+    _fit(build, variant, args, counter)
     return counter.count
 
 

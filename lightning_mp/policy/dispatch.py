@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch._C import DispatchKey, DispatchKeySet
 
-from lightning_mp.formats import HALF_DTYPES
+from lightning_mp.formats import HALF_DTYPES, upcast
 from lightning_mp.policy.aten import AUTOCAST_KEYS, BATCH_NORM, SET_DTYPE, Rule
 from lightning_mp.policy.mode import _native_mixed_batch_norm
 
@@ -60,7 +60,7 @@ def _up(obj: Any) -> Any:
     """A 16-bit floating tensor as FP32 (also inside a Tensor[] list); everything else as it is. Runs per argument
     of every listed op call: kept to a few bytecodes for a tensor and for an int list (``normalized_shape``)."""
     if isinstance(obj, torch.Tensor):
-        return obj.float() if obj.dtype in HALF_DTYPES else obj
+        return upcast(obj)
     if isinstance(obj, (list, tuple)) and any(isinstance(item, torch.Tensor) for item in obj):
         return type(obj)(map(_up, obj))
     return obj
@@ -132,7 +132,7 @@ def _make_kernel(
         def set_dtype_kernel(*args: Any, **kwargs: Any) -> Any:
             if not on[0] and off is not None:
                 return off(*args, **kwargs)
-            if args[0].dtype not in HALF_DTYPES:  # FP32/FP64 inputs need nothing (RMSNorm's mean of its FP32 copy)
+            if getattr(args[0], "dtype", None) not in HALF_DTYPES:  # FP32/FP64 input: nothing (RMSNorm's mean)
                 with exclude(_NO_AUTOCAST):
                     return op(*args, **kwargs)
             positional = not kwarg_only and len(args) > index
