@@ -4,6 +4,7 @@
     python benchmarks/zoo.py --models gpt2-2x64 llama-2x64 --rounds 6
     python benchmarks/zoo.py --quick                  # every model at a tiny size (a smoke test)
     python benchmarks/zoo.py --bytecodes              # also Python bytecodes per step, a count with no noise
+    python benchmarks/zoo.py --unchecked              # also ours bf16 without its inf/NaN check, as bf16-mixed runs
 
 For each model, four variants train through a real ``lightning.Trainer`` on random tokens (random images for
 the ResNet): ``32-true``, Lightning's ``bf16-mixed``, and ``MixedPrecisionPlugin("bf16")`` / ``("fp16")`` with
@@ -195,6 +196,8 @@ VARIANTS = {
 }
 # (column, numerator, denominator)
 RATIOS = [("ours bf16 / bf16-mixed", "ours bf16", "bf16-mixed"), ("ours fp16 / fp32", "ours fp16", "fp32")]
+# --unchecked: what ours bf16 costs beyond bf16-mixed without the inf/NaN check of every step (bf16-mixed has none)
+UNCHECKED = {"ours bf16 unchecked": lambda: {"plugins": [MixedPrecisionPlugin("bf16", check_finite=False)]}}
 
 
 def _fit(build, variant: str, args, callback: Callback) -> None:
@@ -204,7 +207,7 @@ def _fit(build, variant: str, args, callback: Callback) -> None:
     trainer = L.Trainer(
         accelerator="cuda" if torch.cuda.is_available() else "cpu", devices=1, max_steps=args.steps,
         callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, **VARIANTS[variant](),
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, **(VARIANTS.get(variant) or UNCHECKED[variant])(),
     )
     trainer.fit(model, loader)
 
@@ -233,12 +236,13 @@ def describe(build, quick: bool) -> str:
     return f"{type(net).__name__}, {params / 1e6:.2f}M params, batch {tuple(next(iter(loader))[0].shape)}"
 
 
-def run_model(build, args) -> tuple[dict, dict]:
+def run_model(build, args, variants=None) -> tuple[dict, dict]:
     """Interleaved rounds: per variant its per-round (cpu, wall), empty where it raised; the errors met."""
-    times: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
+    variants = list(variants or VARIANTS)
+    times: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
     errors: dict[str, str] = {}
     for r in range(args.rounds):
-        for variant in list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]:
+        for variant in variants if r % 2 == 0 else variants[::-1]:
             if variant in errors:
                 continue
             try:
@@ -271,6 +275,8 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny models, 3 steps of which 1 warm-up (for tests)")
     parser.add_argument("--bytecodes", action="store_true",
                         help="also count the Python bytecodes of one training step per variant (deterministic)")
+    parser.add_argument("--unchecked", action="store_true",
+                        help="also time ours bf16 with check_finite=False (no inf/NaN check, as bf16-mixed)")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup = 3, 1
@@ -300,6 +306,9 @@ def main(argv=None) -> None:
           f"{args.warmup} warm-up step(s) dropped per fit; ms: CPU time of the training thread per step, "
           "median over rounds; ratios: median per-round ratio [range over rounds]\n", flush=True)
 
+    variants, ratios = [*VARIANTS, *(UNCHECKED if args.unchecked else ())], list(RATIOS)
+    if args.unchecked:
+        ratios += [(f"{v} / bf16-mixed", v, "bf16-mixed") for v in UNCHECKED]
     rows, all_errors, counts = [], [], {}
     for name in models:
         build = MODELS[name][0]
@@ -307,15 +316,15 @@ def main(argv=None) -> None:
             what = describe(build, args.quick)
         except Exception as e:  # e.g. a transformers version without this config: the zoo goes on
             what = f"cannot build: {type(e).__name__}"
-        times, errors = run_model(build, args)
+        times, errors = run_model(build, args, variants)
         all_errors += [f"{name} / {v}: {e}" for v, e in errors.items()]
-        rows.append([name, *(_ms(times, v, 0) for v in VARIANTS),
-                     *(_ratio(times, n, d, c) for _, n, d in RATIOS for c in (0, 1))])
+        rows.append([name, *(_ms(times, v, 0) for v in variants),
+                     *(_ratio(times, n, d, c) for _, n, d in ratios for c in (0, 1))])
         if args.bytecodes:
-            counts[name] = [str(bytecodes(build, v, args)) if v not in errors else "error" for v in VARIANTS]
+            counts[name] = [str(bytecodes(build, v, args)) if v not in errors else "error" for v in variants]
         print(f"{name}: {what} done", flush=True)
 
-    header = ["model", *(f"{v} ms" for v in VARIANTS), *(f"{c} ({k})" for c, _, _ in RATIOS for k in ("CPU", "wall"))]
+    header = ["model", *(f"{v} ms" for v in variants), *(f"{c} ({k})" for c, _, _ in ratios for k in ("CPU", "wall"))]
     print()
     print("| " + " | ".join(header) + " |")
     print("|---|" + "---:|" * (len(header) - 1))
@@ -323,8 +332,8 @@ def main(argv=None) -> None:
         print("| " + " | ".join(row) + " |")
     if counts:
         print("\nPython bytecodes in one training step (deterministic; the Trainer's own included)\n")
-        print("| model | " + " | ".join(VARIANTS) + " |")
-        print("|---|" + "---:|" * len(VARIANTS))
+        print("| model | " + " | ".join(variants) + " |")
+        print("|---|" + "---:|" * len(variants))
         for name, row in counts.items():
             print(f"| {name} | " + " | ".join(row) + " |")
     for line in all_errors:

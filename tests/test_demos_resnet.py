@@ -22,6 +22,7 @@ pytest.importorskip("sklearn", reason="DigitsDataModule reads sklearn.datasets.l
 from lightning_mp import Fp32Policy, MixedPrecisionPlugin  # noqa: E402
 from lightning_mp.demos import DigitsDataModule, ResNet  # noqa: E402
 from lightning_mp.demos.digits import _shift_batch  # noqa: E402
+from tests.conftest import inside_forward  # noqa: E402
 
 from .conftest import trainer_kwargs  # noqa: E402
 
@@ -229,8 +230,7 @@ class _Dtypes(L.Callback):
             return hook
 
         block = pl_module.blocks[0]
-        self._handles = [block.conv1.register_forward_hook(record("conv")),
-                         block.bn1.register_forward_hook(record("bn"))]  # fmt: skip
+        self._handles = [inside_forward(block.conv1, record("conv")), inside_forward(block.bn1, record("bn"))]
 
     def on_train_end(self, trainer, pl_module):
         for handle in self._handles:

@@ -12,7 +12,7 @@ from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrec
 from torch import nn
 
 from lightning_mp.fabric import MixedPrecisionPlugin, PrecisionMonitor
-from tests.conftest import trainer_kwargs
+from tests.conftest import inside_forward, trainer_kwargs
 from tests.test_callbacks_integration import events, left_edges, scalars
 
 FP16_SAFE = dict(init_scale=2.0**8)  # a start scale at which the tiny net does not overflow
@@ -84,7 +84,7 @@ def test_forward_and_backward_run_in_16_bits_while_parameters_and_optimizer_hold
     fabric = fabric_for(MixedPrecisionPlugin(precision, **FP16_SAFE))
     net = tiny_net()
     seen = {}
-    net[0].register_forward_hook(lambda m, args, out: seen.update(weight=m.weight.dtype, out=out.dtype))
+    inside_forward(net[0], lambda m, args, out: seen.update(weight=m.weight.dtype, out=out.dtype))
     model, opt = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # masters in place from setup on
     x, y = batches(1)[0]
@@ -138,7 +138,7 @@ def test_evaluation_forward_runs_in_16_bits_and_leaves_the_model_fp32():
     fabric = fabric_for(MixedPrecisionPlugin("bf16"))
     net = tiny_net()
     seen = []
-    net[0].register_forward_hook(lambda m, args, out: seen.append(m.weight.dtype))
+    inside_forward(net[0], lambda m, args, out: seen.append(m.weight.dtype))
     model = fabric.setup(net)
     x, _ = batches(1)[0]
     for context in (torch.no_grad, torch.inference_mode):
@@ -174,7 +174,7 @@ def test_two_models_set_up_separately_both_train_on_fp32_masters():
     x, _ = batches(1)[0]
     seen = []
     for net in (g_net, d_net):
-        net.register_forward_hook(lambda m, args, out: seen.append(m.weight.dtype))
+        inside_forward(net, lambda m, args, out: seen.append(m.weight.dtype))
     out = d(g(x))
     assert seen == [torch.bfloat16, torch.bfloat16]  # each forward reads its copy
     assert g_net.weight.dtype == d_net.weight.dtype == torch.float32

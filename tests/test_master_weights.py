@@ -2,6 +2,8 @@
 gradients fold into the FP32 ``.grad``."""
 
 import copy
+import inspect
+import pickle
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_mp.numerics.master_weights import MasterWeights
+from tests.conftest import inside_forward
 
 BF16 = torch.bfloat16
 
@@ -24,7 +27,7 @@ def record_weight_dtypes(model):
     seen = []
     for m in model.modules():
         if isinstance(m, nn.Linear):
-            m.register_forward_hook(lambda mod, args, out: seen.append((mod.weight.dtype, out.dtype)))
+            inside_forward(m, lambda mod, args, out: seen.append((mod.weight.dtype, out.dtype)))
     return seen
 
 
@@ -66,7 +69,7 @@ def test_the_forward_reads_16_bit_copies_and_the_parameters_stay_fp32_in_place()
 def test_copies_are_the_round_to_nearest_of_the_current_master_and_follow_optimizer_steps():
     lin = nn.Linear(3, 2, bias=False)
     got = []
-    lin.register_forward_hook(lambda m, a, o: got.append(m.weight.detach().clone()))
+    inside_forward(lin, lambda m, a, o: got.append(m.weight.detach().clone()))
     masters = watched(lin)
     fwd(lin, torch.ones(1, 3))
     assert torch.equal(got[-1], lin.weight.detach().to(BF16))
@@ -80,7 +83,7 @@ def test_copies_are_the_round_to_nearest_of_the_current_master_and_follow_optimi
 def test_a_data_write_before_the_forward_is_seen_by_a_forced_refresh():
     lin = nn.Linear(3, 2, bias=False)
     got = []
-    lin.register_forward_hook(lambda m, a, o: got.append(m.weight.detach().clone()))
+    inside_forward(lin, lambda m, a, o: got.append(m.weight.detach().clone()))
     masters = watched(lin)
     fwd(lin, torch.ones(1, 3))
     masters.begin(force=True)
@@ -206,3 +209,58 @@ def test_deep_copies_run_on_their_parameters_and_remove_leaves_the_model_as_it_w
     masters.remove()
     assert not model[0]._forward_pre_hooks and not model[0]._forward_hooks
     assert model[0].weight.dtype == torch.float32
+
+
+class Recurrent(nn.Linear):
+    """Calls itself inside its own forward (weight sharing across time steps, written as a recursion)."""
+
+    def forward(self, x, steps=2):
+        seen = (self.weight.dtype,)
+        if steps > 1:
+            x, inner = self(x, steps - 1)
+            seen += inner
+        return super().forward(x), seen + (self.weight.dtype,)
+
+
+def test_a_module_called_inside_its_own_forward_reads_its_copy_throughout_and_fp32_after():
+    lin = Recurrent(3, 3)
+    masters = watched(lin)
+    out, seen = fwd(lin, torch.ones(1, 3))
+    assert seen == (BF16,) * 4 and out.dtype == BF16
+    assert lin.weight.dtype == torch.float32 and "weight" not in lin.__dict__
+
+
+def test_a_forward_that_raises_leaves_the_fp32_parameters_and_the_next_call_reads_its_copy():
+    lin = nn.Linear(3, 2)
+    seen = record_weight_dtypes(lin)  # before the build: the plugin's wrapper wraps the recorder
+    watched(lin)
+    with pytest.raises(RuntimeError, match="mat1 and mat2"):
+        fwd(lin, torch.ones(1, 4))  # a shape error inside forward, after the copies went in
+    assert type(lin.weight) is nn.Parameter and "weight" not in lin.__dict__
+    fwd(lin, torch.ones(1, 3))
+    assert seen == [(BF16, BF16)]
+
+
+def test_remove_restores_the_forward_the_module_had_and_signature_sees_through_the_wrapper():
+    lin, own = nn.Linear(3, 2), nn.Linear(3, 2)
+    mine = own.forward = lambda x: nn.Linear.forward(own, x) * 2  # an instance forward of someone else's
+    masters = watched(nn.ModuleList([lin, own]))
+    fwd(lin, torch.ones(1, 3))
+    assert inspect.signature(lin.forward) == inspect.signature(nn.Linear(1, 1).forward)
+    assert "forward" in lin.__dict__ and own.__dict__["forward"] is not mine
+    masters.remove()
+    assert "forward" not in lin.__dict__ and own.__dict__["forward"] is mine
+    assert lin.forward.__func__ is nn.Linear.forward
+
+
+def test_a_pickled_or_deep_copied_model_computes_on_its_own_fp32_parameters():
+    model = nn.Sequential(nn.Linear(3, 2))
+    masters = watched(model)
+    fwd(model, torch.ones(1, 3))
+    for twin in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        with torch.no_grad():
+            twin[0].weight.fill_(1.0)
+        out = fwd(twin, torch.ones(1, 3))
+        assert twin[0].forward.__self__ is twin[0] and out.dtype == BF16  # autocast casts its FP32 weight
+        torch.testing.assert_close(out.float(), 3.0 + twin[0].bias.detach()[None], rtol=2**-8, atol=0)
+    assert model[0].weight.ne(1.0).any()  # the original untouched

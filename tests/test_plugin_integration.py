@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecisionPlugin
-from tests.conftest import TinyRegressor, TwoOptimizers, regression_data, trainer_kwargs
+from tests.conftest import TinyRegressor, TwoOptimizers, inside_forward, regression_data, trainer_kwargs
 
 FP16_SAFE = dict(init_scale=2.0**8)  # a start scale at which the tiny regressor does not overflow
 
@@ -73,10 +73,10 @@ class Inspect(Callback):
         self.forward_dtypes = set()
 
     def on_train_start(self, trainer, pl_module):
-        def seen_by_forward(module, args, output):  # runs inside the module's call, before the copies go out
+        def seen_by_forward(module, args, output):  # runs inside the module's forward, where the copies are
             self.forward_dtypes |= {module.weight.dtype, output.dtype}
 
-        pl_module.net[0].register_forward_hook(seen_by_forward)
+        inside_forward(pl_module.net[0], seen_by_forward)
 
     def on_before_backward(self, trainer, pl_module, loss):  # after the forward, before the backward
         self.param_dtypes |= {p.dtype for p in pl_module.parameters()}

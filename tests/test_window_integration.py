@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import DEFAULT_FP32_MODULES, MixedPrecisionPlugin
 from lightning_mp.fabric import MixedPrecisionPlugin as FabricPlugin
-from tests.conftest import TinyRegressor, trainer_kwargs
+from tests.conftest import TinyRegressor, inside_forward, trainer_kwargs
 
 # bf16 keeps 8 significant bits: a few SGD steps of a small MLP end within ~1e-3 of FP32; the bugs this file guards
 # against were 0.13-0.17 off
@@ -314,7 +314,7 @@ class WithBoosted(Mlp):
         super().__init__()
         self.net = nn.Sequential(Boosted(), nn.LayerNorm(8), nn.Linear(8, 1))
         self.seen = set()
-        self.net[0].lin.register_forward_hook(lambda m, a, out: self.seen.add((m.weight.dtype, out.dtype)))
+        inside_forward(self.net[0].lin, lambda m, a, out: self.seen.add((m.weight.dtype, out.dtype)))
 
 
 def test_a_listed_module_is_fp32_through_its_whole_subtree():

@@ -99,3 +99,14 @@ def test_bytecode_counts_are_deterministic_and_printed_as_a_second_table(zoo, ca
     assert header == ["model", *zoo.VARIANTS] and list(rows) == ["gpt"]
     assert all(cell.isdigit() and int(cell) > 1000 for cell in rows["gpt"])
     assert rows["gpt"][list(zoo.VARIANTS).index("ours bf16")] == str(first)
+
+
+@pytest.mark.slow
+def test_unchecked_adds_ours_bf16_without_the_check_and_its_ratio_to_bf16_mixed(zoo, capsys):
+    (make,) = zoo.UNCHECKED.values()
+    assert make()["plugins"][0].core.check_finite is False
+    zoo.main(["--quick", "--rounds", "1", "--models", "gpt", "--unchecked"])
+    header, rows = _table(capsys.readouterr().out)
+    assert header[5] == "ours bf16 unchecked ms" and header[-2:] == [
+        "ours bf16 unchecked / bf16-mixed (CPU)", "ours bf16 unchecked / bf16-mixed (wall)"]
+    assert all(float(cell.split()[0]) > 0 for cell in rows["gpt"])

@@ -34,6 +34,7 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors
 from torch.optim import Optimizer
 
+from lightning_mp.numerics import without_grad
 from lightning_mp.numerics.distributed import run_view
 from lightning_mp.formats import HALF_DTYPES
 from lightning_mp.numerics.sharding import local
@@ -183,7 +184,7 @@ def _picker(positions: list[int]) -> Callable[[list], list]:
     return lambda seq: list(get(seq))
 
 
-@torch.no_grad()
+@without_grad
 def non_finite_flag(groups: Groups) -> Tensor:
     """1.0 if any element of the grouped gradients is inf or NaN, else 0.0; read-only, and no host read.
 

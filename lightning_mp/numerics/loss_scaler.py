@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from lightning_mp.formats import by_device_and_dtype
+from lightning_mp.numerics import without_grad
 from lightning_mp.validation import check_int, check_number
 
 DEFAULT_INIT_SCALE = 2.0**16
@@ -162,7 +163,7 @@ class LossScaler:
     def scale_loss(self, loss: Tensor) -> Tensor:
         return loss * self.scale if self.enabled else loss
 
-    @torch.no_grad()
+    @without_grad
     def unscale_and_check_(self, grads: list[Tensor]) -> Tensor:
         """Divide ``grads`` by the scale in place and return a 0-dim float tensor, nonzero if any is non-finite.
 

@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_mp.numerics import grad_layout
+from lightning_mp.numerics import grad_layout, without_grad
 from lightning_mp.numerics.distributed import agree_on_overflow_
 from lightning_mp.numerics.grad_layout import GradLayout, Grads, optimizer_params
 from lightning_mp.numerics.loss_scaler import LossScaler
@@ -73,6 +73,7 @@ class MixedPrecisionStep:
         self._found: dict[int, bool] = {}  # id(optimizer) -> its flag, for the training step in progress
         self._found_inf = False
         self._layouts: WeakIdKeyDictionary = WeakIdKeyDictionary()  # optimizer -> GradLayout
+        self._last: tuple[int, GradLayout | None] = (0, None)  # (id(optimizer), its layout), the last one read
         self._zero_grads: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its zero gradient (reduce_)
 
     @property
@@ -85,7 +86,7 @@ class MixedPrecisionStep:
         """Whether the training step in progress skips (or, between steps, whether the last one was skipped)."""
         return self._found_inf if self._found else self.scaler.last_step_skipped
 
-    @torch.no_grad()
+    @without_grad
     def unscale_(self, optimizer: Optimizer) -> bool:
         """Unscale and check this optimizer's gradients once per training step; return whether any is inf/NaN."""
         key = id(optimizer)
@@ -137,11 +138,14 @@ class MixedPrecisionStep:
     # ------------------------------------------------------------------ gradients
     def _gradients(self, optimizer: Optimizer, params: list[Tensor]) -> Grads:
         """This optimizer's gradients as the fused passes read them; the layout is rebuilt only when they moved."""
-        layout = self._layouts.get(optimizer)
-        grads = layout.read(params) if layout is not None else None
+        key, layout = self._last
+        if key != id(optimizer):  # the one-entry cache spares the weak dictionary's Python on every step
+            layout = self._layouts.get(optimizer)
+        grads = layout.read(params) if layout is not None else None  # checks the parameters: a reused id misses
         if grads is None:
             layout = self._layouts[optimizer] = GradLayout(params, refuse_16_bit=self.fp32_grads)
             grads = layout.read(params)
+        self._last = (id(optimizer), layout)
         return grads
 
     def _reduce(self, params: list[Tensor]) -> None:
@@ -167,7 +171,7 @@ class MixedPrecisionStep:
     # ------------------------------------------------------------------ pickling (spawned processes)
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)  # the caches hold weak references and this process's tensors: not sent
-        state["_layouts"], state["_zero_grads"] = None, None
+        state["_layouts"], state["_zero_grads"], state["_last"] = None, None, (0, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
