@@ -99,8 +99,8 @@ class TwoOptimizers(L.LightningModule):
 
 class inside_forward:
     """Call ``record(module, args, output)`` from inside ``module``'s own forward, where ``self.weight`` is what the
-    forward computes with (forward hooks run outside it and see the FP32 Parameters). Wraps the instance's forward;
-    set it before the fit, so the plugin's wrapper wraps this one. ``remove()`` undoes it."""
+    forward computes with (a forward hook sees the 16-bit copy or the FP32 Parameter depending on whether it runs
+    before or after the plugin's own hook). Wraps the instance's forward; ``remove()`` undoes it."""
 
     def __init__(self, module, record):
         forward = module.forward

@@ -2,7 +2,6 @@
 gradients fold into the FP32 ``.grad``."""
 
 import copy
-import inspect
 import pickle
 
 import pytest
@@ -224,7 +223,7 @@ class Recurrent(nn.Linear):
 
 def test_a_module_called_inside_its_own_forward_reads_its_copy_throughout_and_fp32_after():
     lin = Recurrent(3, 3)
-    masters = watched(lin)
+    watched(lin)
     out, seen = fwd(lin, torch.ones(1, 3))
     assert seen == (BF16,) * 4 and out.dtype == BF16
     assert lin.weight.dtype == torch.float32 and "weight" not in lin.__dict__
@@ -232,25 +231,13 @@ def test_a_module_called_inside_its_own_forward_reads_its_copy_throughout_and_fp
 
 def test_a_forward_that_raises_leaves_the_fp32_parameters_and_the_next_call_reads_its_copy():
     lin = nn.Linear(3, 2)
-    seen = record_weight_dtypes(lin)  # before the build: the plugin's wrapper wraps the recorder
+    seen = record_weight_dtypes(lin)  # records from inside the forward
     watched(lin)
     with pytest.raises(RuntimeError, match="mat1 and mat2"):
         fwd(lin, torch.ones(1, 4))  # a shape error inside forward, after the copies went in
     assert type(lin.weight) is nn.Parameter and "weight" not in lin.__dict__
     fwd(lin, torch.ones(1, 3))
     assert seen == [(BF16, BF16)]
-
-
-def test_remove_restores_the_forward_the_module_had_and_signature_sees_through_the_wrapper():
-    lin, own = nn.Linear(3, 2), nn.Linear(3, 2)
-    mine = own.forward = lambda x: nn.Linear.forward(own, x) * 2  # an instance forward of someone else's
-    masters = watched(nn.ModuleList([lin, own]))
-    fwd(lin, torch.ones(1, 3))
-    assert inspect.signature(lin.forward) == inspect.signature(nn.Linear(1, 1).forward)
-    assert "forward" in lin.__dict__ and own.__dict__["forward"] is not mine
-    masters.remove()
-    assert "forward" not in lin.__dict__ and own.__dict__["forward"] is mine
-    assert lin.forward.__func__ is nn.Linear.forward
 
 
 def test_a_pickled_or_deep_copied_model_computes_on_its_own_fp32_parameters():
@@ -264,3 +251,25 @@ def test_a_pickled_or_deep_copied_model_computes_on_its_own_fp32_parameters():
         assert twin[0].forward.__self__ is twin[0] and out.dtype == BF16  # autocast casts its FP32 weight
         torch.testing.assert_close(out.float(), 3.0 + twin[0].bias.detach()[None], rtol=2**-8, atol=0)
     assert model[0].weight.ne(1.0).any()  # the original untouched
+
+
+class Scaled(nn.Module):
+    """A top module that owns a parameter itself (as a LightningModule with an ``nn.Parameter`` does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.scale = nn.Linear(3, 2), nn.Parameter(torch.ones(2))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_torch_export_of_a_watched_model_exports_its_fp32_parameters():
+    # the hooks leave each module's forward as it is: export reads forward's code object (an instance `forward`
+    # wrapper broke it, see docs/benchmarks.md)
+    net = Scaled()
+    watched(net)
+    fwd(net, torch.ones(1, 3))
+    exported = torch.export.export(net, (torch.ones(1, 3),))
+    assert set(exported.state_dict) == {"scale", "lin.weight", "lin.bias"}
+    assert all(t.dtype == torch.float32 for t in exported.state_dict.values())

@@ -8,13 +8,12 @@ The invariant: a Parameter is never swapped, re-dtyped or re-pointed. It holds i
 code, a callback, a checkpoint, a signal handler or an optimizer can look. The 16-bit copies are tensors of our
 own; only a module's own forward sees them:
 
-* each module that owns converted parameters gets its ``forward`` wrapped (:class:`_Forward`, an instance
-  attribute): for the call, and only for it, the copies sit in the module's instance ``__dict__`` under the
-  parameters' names (instance attributes win over ``nn.Module.__getattr__``, which reads ``_parameters``). So
-  ``self.weight`` inside ``forward`` is the 16-bit copy, and ``module.weight``, ``parameters()``, ``state_dict()``
-  and forward hooks everywhere else see the FP32 Parameters. Activation checkpointing re-runs the forward, and
-  with it the wrapper: the recomputation reads the same copies (they are refreshed only when their master changed,
-  never in the middle of a graph).
+* a forward pre-hook on each module that owns converted parameters puts the copies in the module's instance
+  ``__dict__`` under the parameters' names (instance attributes win over ``nn.Module.__getattr__``, which reads
+  ``_parameters``), and an always-called forward hook takes them out again. So ``self.weight`` inside ``forward``
+  is the 16-bit copy, and ``module.weight``, ``parameters()`` and ``state_dict()`` everywhere else are the FP32
+  Parameters. Activation checkpointing re-runs the forward, and with it the hooks: the recomputation reads the same
+  copies (they are refreshed only when their master changed, never in the middle of a graph).
 * the copies are autograd leaves; after each backward :meth:`MasterWeights.fold_grads` adds their 16-bit gradients
   into the Parameters' FP32 ``.grad`` and drops them. ``zero_grad``, accumulation, ``retain_graph`` and several
   backwards through one graph therefore act on the FP32 gradients the user means.
@@ -55,14 +54,11 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from lightning_mp.formats import HALF_DTYPES
-from lightning_mp.numerics import without_grad
 from lightning_mp.numerics.copies import flat_views, fold_grads
 
 _DTYPE, _DEVICE, _VERSION = attrgetter("dtype"), attrgetter("device"), attrgetter("_version")
 _REQUIRES_GRAD, _DATA_PTR = attrgetter("requires_grad"), Tensor.data_ptr
 _IS_NOT_NONE = partial(is_not, None)
-_is_compiling = torch.compiler.is_compiling
-_copy_ = without_grad(torch._foreach_copy_)
 
 
 class MasterWeights:
@@ -81,7 +77,8 @@ class MasterWeights:
         self.dtype = dtype
         self._keep_fp32 = keep_fp32
         self._roots: list[nn.Module] = []
-        self._forwards: dict[int, _Forward] = {}  # id(module) -> its wrapped forward, until remove()
+        self._handles: list = []
+        self._hooked: set[int] = set()
         self._built = False
         # per converted parameter: Parameter, copy, FP32 gradient view, (data_ptr, version) at the last refresh
         self.params: list[nn.Parameter] = []
@@ -91,6 +88,9 @@ class MasterWeights:
         self._dtypes, self._devices = [], []  # the masters' dtypes and the copies' devices at the build
         self._slot: dict[nn.Parameter, int] = {}
         self._slot_of: dict[int, int] = {}  # the same by id(Parameter)
+        # id(module) -> [(name, param, slot)]; slot -1: a parameter to re-examine (lazy, or frozen 16-bit)
+        self._entries: dict[int, list[tuple[str, nn.Parameter, int]]] = {}
+        self._depth: dict[int, int] = {}
         self._pending = True
         self._force = True
         self._warned = False
@@ -117,8 +117,7 @@ class MasterWeights:
                     kept.update(mod.parameters(recurse=False))  # renormalises its weight in place in forward
         params: list[nn.Parameter] = []
         slot: dict[nn.Parameter, int] = {}
-        for wrapped in self._forwards.values():
-            wrapped.entries = ()  # until found again below
+        entries: dict[int, list[tuple[str, nn.Parameter, int]]] = {}
         upcast, upcast_dtype = 0, None
         for root in self._roots:
             for mod in root.modules():
@@ -144,10 +143,11 @@ class MasterWeights:
                         params.append(p)
                     own.append((name, p, slot[p]))
                 if own:
-                    wrapped = self._forwards.get(id(mod))
-                    if wrapped is None or mod.__dict__.get("forward") is not wrapped:
-                        wrapped = self._forwards[id(mod)] = _Forward(self, mod)
-                    wrapped.entries = own
+                    entries[id(mod)] = own
+                    if id(mod) not in self._hooked:
+                        self._hooked.add(id(mod))
+                        self._handles.append(mod.register_forward_pre_hook(self._install))
+                        self._handles.append(mod.register_forward_hook(self._uninstall, always_call=True))
         if upcast and not self._warned:
             self._warned = True
             warnings.warn(
@@ -156,7 +156,7 @@ class MasterWeights:
                 "let MixedPrecisionPlugin make the 16-bit copies (frozen 16-bit parameters stay 16-bit).",
                 stacklevel=3,
             )
-        self.params, self._slot = params, slot
+        self.params, self._slot, self._entries = params, slot, entries
         self._slot_of = {id(p): i for p, i in slot.items()}
         self._copies = flat_views(params, self.dtype, leaf=True)
         self._grad_views = flat_views(params, torch.float32, leaf=False)
@@ -201,9 +201,57 @@ class MasterWeights:
             stale = [i for i, (p, was, now) in enumerate(zip(params, self._seen, marks))
                      if was != now or (force and p.requires_grad)]
             dst, src = [copies[i] for i in stale], [params[i] for i in stale]
-        if dst:  # round to nearest, one fused pass, outside grad mode (the copies are leaves that require grad)
-            _copy_(dst, src)
+        if dst:  # round to nearest, one fused pass; no grad mode (the copies are leaves that require grad) without
+            prev = torch.is_grad_enabled()  # torch.no_grad()'s per-call Python objects
+            torch._C._set_grad_enabled(False)
+            try:
+                torch._foreach_copy_(dst, src)
+            finally:
+                torch._C._set_grad_enabled(prev)
         self._seen = marks
+
+    def _install(self, module: nn.Module, args) -> None:
+        if torch.compiler.is_compiling():
+            return  # compiled code reads the FP32 Parameters under autocast (bf16-mixed semantics)
+        if self._pending:
+            self._refresh()
+        entries = self._entries.get(id(module))
+        if entries is None:
+            return
+        key = id(module)
+        depth = self._depth.get(key, 0)
+        self._depth[key] = depth + 1
+        if depth:
+            return  # a module called inside its own forward: installed already
+        params, d = module._parameters, module.__dict__
+        copies = self._copies
+        for name, p, i in entries:
+            if i < 0 and params.get(name) is p and (is_lazy(p) or not p.requires_grad):
+                continue  # still lazy, or a frozen 16-bit parameter: no copy
+            if i < 0 or params.get(name) is not p:  # materialized, unfrozen, replaced or pruned since the build
+                self._build()
+                self._force = True
+                self._refresh()
+                self._depth[key] = 0
+                return self._install(module, args)
+            c = copies[i]
+            if c.requires_grad != p.requires_grad:  # frozen or unfrozen since the last refresh (BaseFinetuning)
+                c.requires_grad_(p.requires_grad)
+            d[name] = c
+
+    def _uninstall(self, module: nn.Module, args, output) -> None:
+        if torch.compiler.is_compiling():  # nothing was installed (see _install)
+            return
+        key = id(module)
+        depth = self._depth.get(key, 0)
+        if depth > 1:
+            self._depth[key] = depth - 1
+            return
+        self._depth.pop(key, None)
+        d = module.__dict__
+        for name, _, i in self._entries.get(key, ()):
+            if i >= 0 and d.get(name) is self._copies[i]:
+                del d[name]
 
     def fold_grads(self) -> None:
         """Add the copies' 16-bit gradients into the Parameters' FP32 ``.grad`` and drop them (one fused pass each:
@@ -212,89 +260,21 @@ class MasterWeights:
 
     # ------------------------------------------------------------------ teardown
     def remove(self) -> None:
-        """Unwrap the forwards and give the memory back; the Parameters were FP32 all along."""
+        """Take the hooks out and give the memory back; the Parameters were FP32 all along."""
         self.fold_grads()
-        for wrapped in self._forwards.values():
-            wrapped.unwrap()
+        for handle in self._handles:
+            handle.remove()
+        for root in self._roots:
+            for mod in root.modules():
+                for name, _, i in self._entries.get(id(mod), ()):
+                    if i >= 0 and mod.__dict__.get(name) is self._copies[i]:
+                        del mod.__dict__[name]
         self.__init__(self.dtype, self._keep_fp32)
 
     def __deepcopy__(self, memo) -> MasterWeights:
-        # a deep copy of something that holds the store (a hook of ours or the user's bound to it) gets a fresh,
-        # empty one; the copied modules' forwards are their own (_Forward.__reduce__) and read FP32 Parameters
+        # a deep copy of a hooked model (SWA's averaged model, an EMA copy) carries hooks bound to a fresh, empty
+        # store: they find no entries for the copied modules, which then read their FP32 Parameters under autocast
         return MasterWeights(self.dtype)
 
     def __reduce__(self):
         return (MasterWeights, (self.dtype,))
-
-
-class _Forward:
-    """A module's ``forward`` with the 16-bit copies of its own converted parameters in its instance ``__dict__`` for
-    the call, and only for it (``try``/``finally``: an exception or a KeyboardInterrupt takes them out too).
-
-    It is the module's instance attribute ``forward``, which ``nn.Module.__call__`` calls, so the module keeps
-    ``__call__``'s fast path (no hooks). A forward pre-hook and forward hook per module cost ~420 bytecodes a call
-    (``__call__``'s slow path and the hooks), as much on a small ``transformers`` model as its whole forward; this
-    costs ~140. Hooks (the user's, FSDP's, pruning's) run outside it and see the FP32 Parameters. A deep copy or a
-    pickle of the module carries the wrapped forward, rebound to the copy (``__reduce__``): it reads FP32 Parameters."""
-
-    __slots__ = ("store", "module", "inner", "own", "entries", "active", "__wrapped__")
-
-    def __init__(self, store: MasterWeights, module: nn.Module) -> None:
-        self.store, self.module, self.entries, self.active = store, module, (), False
-        self.own = "forward" in module.__dict__  # an instance forward of someone else's: restored by unwrap()
-        self.inner = self.__wrapped__ = module.forward  # inspect.signature() follows __wrapped__
-        module.__dict__["forward"] = self
-
-    def __call__(self, *args, **kwargs):
-        if self.active or _is_compiling():
-            # called inside its own forward: installed already. Compiled code reads the FP32 Parameters under
-            # autocast (bf16-mixed semantics)
-            return self.inner(*args, **kwargs)
-        store = self.store
-        if store._pending:
-            store._refresh()
-        entries, copies = self.entries, store._copies
-        module = self.module
-        params, d = module._parameters, module.__dict__
-        for name, p, i in entries:
-            if i >= 0 and params.get(name) is p:  # the steady state
-                c = copies[i]
-                if c.requires_grad != p.requires_grad:  # frozen or unfrozen since the last refresh (BaseFinetuning)
-                    c.requires_grad_(p.requires_grad)
-                d[name] = c
-            elif i < 0 and params.get(name) is p and (is_lazy(p) or not p.requires_grad):
-                continue  # still lazy, or a frozen 16-bit parameter: no copy
-            else:  # materialized, unfrozen, replaced or pruned since the build
-                for name_, _, j in entries:  # take out what this loop installed
-                    if j >= 0 and d.get(name_) is copies[j]:
-                        del d[name_]
-                store._build()
-                store._force = True
-                store._refresh()
-                return self(*args, **kwargs)
-        self.active = True
-        try:
-            return self.inner(*args, **kwargs)
-        finally:
-            self.active = False
-            for name, _, i in entries:  # what was installed, even where a rebuild ran inside the forward
-                if i >= 0 and d.get(name) is copies[i]:
-                    del d[name]
-
-    def unwrap(self) -> None:
-        d = self.module.__dict__
-        if d.get("forward") is self:  # else someone replaced it since: theirs stays
-            if self.own:
-                d["forward"] = self.inner
-            else:
-                del d["forward"]
-        for name, _, i in self.entries:  # a remove() from inside a forward
-            if i >= 0 and d.get(name) is self.store._copies[i]:
-                del d[name]
-
-    def __reduce__(self):
-        return _unwrapped, (self.inner,)
-
-
-def _unwrapped(forward):
-    return forward
