@@ -204,10 +204,11 @@ def _fit(build, variant: str, args, callback: Callback) -> None:
     """One short fit of a fresh model from the same seed, with ``callback`` watching its steps."""
     L.seed_everything(0, verbose=False)
     model, loader = build(args.quick)
+    precision = (VARIANTS.get(variant) or UNCHECKED[variant])()
     trainer = L.Trainer(
         accelerator="cuda" if torch.cuda.is_available() else "cpu", devices=1, max_steps=args.steps,
         callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, **(VARIANTS.get(variant) or UNCHECKED[variant])(),
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, **precision,
     )
     trainer.fit(model, loader)
 

@@ -54,11 +54,13 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from lightning_mp.formats import HALF_DTYPES
+from lightning_mp.numerics import without_grad
 from lightning_mp.numerics.copies import flat_views, fold_grads
 
 _DTYPE, _DEVICE, _VERSION = attrgetter("dtype"), attrgetter("device"), attrgetter("_version")
 _REQUIRES_GRAD, _DATA_PTR = attrgetter("requires_grad"), Tensor.data_ptr
 _IS_NOT_NONE = partial(is_not, None)
+_copy_ = without_grad(torch._foreach_copy_)
 
 
 class MasterWeights:
@@ -201,13 +203,8 @@ class MasterWeights:
             stale = [i for i, (p, was, now) in enumerate(zip(params, self._seen, marks))
                      if was != now or (force and p.requires_grad)]
             dst, src = [copies[i] for i in stale], [params[i] for i in stale]
-        if dst:  # round to nearest, one fused pass; no grad mode (the copies are leaves that require grad) without
-            prev = torch.is_grad_enabled()  # torch.no_grad()'s per-call Python objects
-            torch._C._set_grad_enabled(False)
-            try:
-                torch._foreach_copy_(dst, src)
-            finally:
-                torch._C._set_grad_enabled(prev)
+        if dst:  # round to nearest, one fused pass, outside grad mode (the copies are leaves that require grad)
+            _copy_(dst, src)
         self._seen = marks
 
     def _install(self, module: nn.Module, args) -> None:
