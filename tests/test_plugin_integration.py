@@ -100,6 +100,28 @@ def test_forward_and_backward_run_in_16_bits_while_parameters_and_optimizer_hold
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
+class Summaries(Callback):
+    """What a user's code sees of the model's classes during the fit: Lightning's model summary and the layers."""
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        from lightning.pytorch.utilities.model_summary import ModelSummary
+
+        self.types = ModelSummary(pl_module, max_depth=-1).layer_types
+        self.first = pl_module.net[0]
+
+
+def test_the_model_keeps_its_class_names_and_gets_its_own_classes_back_after_fit():
+    # the modules that own parameters are bracketed by a subclass of their class during the fit (bracket.py)
+    ours, native = Summaries(), Summaries()
+    model = TinyRegressor(norm=True)
+    fit(model, MixedPrecisionPlugin("bf16"), max_steps=2, callbacks=[ours])
+    fit(TinyRegressor(norm=True), None, max_steps=2, callbacks=[native], precision="bf16-mixed")
+    assert ours.types == native.types == ["Sequential", "Linear", "ReLU", "LayerNorm", "Linear"]
+    assert isinstance(ours.first, nn.Linear) and type(ours.first).__name__ == "Linear"
+    assert [type(m) for m in model.net] == [nn.Linear, nn.ReLU, nn.LayerNorm, nn.Linear]  # after the fit
+    assert type(model) is TinyRegressor
+
+
 def test_frozen_and_unoptimized_params_are_never_rounded():
     class Partly(TinyRegressor):
         def __init__(self):

@@ -183,14 +183,16 @@ class MixedPrecisionCore:
     def forward_context(self) -> contextlib.AbstractContextManager:
         if not self.format.is_16bit:
             return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        # autocast too: tensors built in the forward and parameters read outside their module get 16-bit GEMMs
-        stack.enter_context(torch.autocast(self.device_type, dtype=self.format.dtype))
+        # autocast: tensors built in the forward and parameters read outside their module get 16-bit GEMMs too
+        autocast = torch.autocast(self.device_type, dtype=self.format.dtype)
         # kernels on for the whole fit (the Trainer's): another hold per forward would only move a counter per kernel
-        held = self._hold is not None and self._hold.active
-        if (ops := self.policy.fallback_mode() if held else self.policy.op_context()) is not None:
-            stack.enter_context(ops)
-        stack.enter_context(self.gemm.context())
+        ops = self.policy.fallback_mode() if self._hold is not None and self._hold.active else self.policy.op_context()
+        if ops is None and not self.gemm.emulated:
+            return autocast  # the common case (native GEMMs, no torch-function fallback): no ExitStack to run
+        stack = contextlib.ExitStack()
+        for context in (autocast, ops, self.gemm.context()):
+            if context is not None:
+                stack.enter_context(context)
         return stack
 
     def backward_context(self) -> contextlib.AbstractContextManager:

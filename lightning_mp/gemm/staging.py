@@ -25,7 +25,8 @@ def _dense(x: Tensor) -> bool:
 
 
 def _storage(x: Tensor) -> tuple[int, int]:
-    """Which storage ``x`` lives in, and how many bytes it has now (0 once freed by ``resize_(0)``)."""
+    """Which storage ``x`` lives in, and how many bytes it has now (0 once freed by ``resize_(0)``). Asked on a hit
+    only, of the operand and of the source it was copied from: a miss (most takes) pays no storage object."""
     storage = x.untyped_storage()
     return storage._cdata, storage.nbytes()
 
@@ -37,8 +38,8 @@ class _PerThread(threading.local):
 
     def __init__(self) -> None:
         # (first byte, elements, dtype) -> (16-bit source, its FP32 copy, the flat buffer under it if pooled, the
-        # source's version, (its storage, the storage's bytes)); oldest first
-        self.memo: dict[tuple[int, int, torch.dtype], tuple[Tensor, Tensor, Tensor | None, int, tuple[int, int]]] = {}
+        # source's version); oldest first
+        self.memo: dict[tuple[int, int, torch.dtype], tuple[Tensor, Tensor, Tensor | None, int]] = {}
         self.free: list[Tensor] = []
         self.retired: list[Tensor] = []
 
@@ -54,8 +55,10 @@ class _Staging:
     ``resize_(0)`` and the next layer's parameter may land at the same address, with its version counter preserved.
     The version counter moves with every in-place write through autograd's view of a tensor; writes that keep it
     (through ``.data``, or under torch's ``_unsafe_preserve_version_counter``) between two GEMMs of one forward or one
-    backward are not seen, as with autograd's own saved tensors. On the transformers Llama 2x64 of
-    ``benchmarks/zoo.py`` this skipped 2.7M of the step's element upcasts in fp16.
+    backward are not seen, as with autograd's own saved tensors. Only operands of at least :attr:`MEMO_MIN` elements
+    are remembered: below that an upcast costs about what remembering it does (~2 us of Python a take, against 2.8 us
+    to upcast 32k elements on one `AVX512` core) and few come back (the Llama 2x64 of ``benchmarks/zoo.py``, fp16:
+    10 hits in 92 such takes; the demo GPT and the encoder: none in 38 and 34). Its larger operands: 5 hits in 14.
 
     Reused: glibc's ``malloc`` hands memory above its (adaptive) mmap threshold back to the kernel when it is freed,
     or trims it off the top of the heap, and the kernel zeroes every 4 KiB page of the next such allocation on first
@@ -73,6 +76,7 @@ class _Staging:
     """
 
     MIN_BYTES = 1 << 20
+    MEMO_MIN = 1 << 17  # elements
     KEEP = 4
     MEMO = 4
 
@@ -93,13 +97,13 @@ class _Staging:
     def take(self, x: Tensor) -> Tensor:
         """An FP32 copy of ``x`` with its sizes and strides: remembered, or a plain copy where ``x`` is not dense or is
         an inference tensor (those keep no version counter)."""
-        if not x.is_cpu or x.is_inference() or not _dense(x):
+        if x.numel() < self.MEMO_MIN or not x.is_cpu or x.is_inference() or not (x.is_contiguous() or _dense(x)):
             return x.to(torch.float32)
         # a dense tensor covers exactly [data_ptr, data_ptr + numel * itemsize): its first byte and length name it
         memo = self._state.memo
         key = (x.data_ptr(), x.numel(), x.dtype)
         hit = memo.pop(key, None)
-        if hit is not None and hit[3] == x._version and _storage(x) == hit[4]:
+        if hit is not None and hit[3] == x._version and _storage(x) == _storage(hit[0]):
             memo[key] = hit  # most recently used last
             copy = hit[1]
             return copy.as_strided(x.size(), x.stride(), copy.storage_offset())
@@ -118,7 +122,7 @@ class _Staging:
             copy = buf.as_strided(x.size(), x.stride())  # dense and non-overlapping: exactly n elements from 0
             copy.copy_(x)
         memo = state.memo
-        memo[key] = (x, copy, buf, x._version, _storage(x))
+        memo[key] = (x, copy, buf, x._version)
         if len(memo) > self.MEMO:  # the oldest may be an operand of this op: reused only after it
             old = memo.pop(next(iter(memo)))[2]
             if old is not None:

@@ -1,19 +1,19 @@
 """FP32 master weights: the module's Parameters are the FP32 masters at every moment; the forward reads 16-bit copies.
 
-Why masters: an update smaller than half a 16-bit ulp of the weight rounds away. At a weight of 1.0 that is
-anything below 2^-8 in bf16 or 2^-11 in fp16, so ``lr * grad`` of 1e-4 never moves a bf16 weight. The optimizer
-must update FP32 values, and gradients of several micro-batches must be summed in FP32.
+Why masters: an update below half a 16-bit ulp of the weight rounds away (at 1.0: 2^-8 in bf16, 2^-11 in fp16), so
+the optimizer must update FP32 values, and gradients of several micro-batches must be summed in FP32.
 
 The invariant: a Parameter is never swapped, re-dtyped or re-pointed. It holds its exact FP32 value whenever user
 code, a callback, a checkpoint, a signal handler or an optimizer can look. The 16-bit copies are tensors of our
 own; only a module's own forward sees them:
 
-* a forward pre-hook on each module that owns converted parameters puts the copies in the module's instance
-  ``__dict__`` under the parameters' names (instance attributes win over ``nn.Module.__getattr__``, which reads
-  ``_parameters``), and an always-called forward hook takes them out again. So ``self.weight`` inside ``forward``
-  is the 16-bit copy, and ``module.weight``, ``parameters()`` and ``state_dict()`` everywhere else are the FP32
-  Parameters. Activation checkpointing re-runs the forward, and with it the hooks: the recomputation reads the same
-  copies (they are refreshed only when their master changed, never in the middle of a graph).
+* before each forward of a module that owns converted parameters, the copies go into its instance ``__dict__`` under
+  the parameters' names (instance attributes win over ``nn.Module.__getattr__``, which reads ``_parameters``); after
+  it, however it ends, they come out (:mod:`.bracket`). So ``self.weight`` inside ``forward`` is the 16-bit copy, and
+  ``module.weight``, ``parameters()`` and ``state_dict()`` everywhere else are the FP32 Parameters. Activation
+  checkpointing re-runs the forward and reads the same copies (refreshed only when their master changed, never in
+  the middle of a graph). Which parameters each module owns is checked once per step, at the refresh: a parameter
+  replaced, pruned, frozen or unfrozen between steps is seen at the next step's first forward.
 * the copies are autograd leaves; after each backward :meth:`MasterWeights.fold_grads` adds their 16-bit gradients
   into the Parameters' FP32 ``.grad`` and drops them. ``zero_grad``, accumulation, ``retain_graph`` and several
   backwards through one graph therefore act on the FP32 gradients the user means.
@@ -37,8 +37,8 @@ as under ``bf16-true``) until unfrozen. float64, complex and integer parameters 
 plugin. ``nn.Embedding(max_norm=...)`` renormalises its weight in ``forward``, so it reads its FP32 Parameter.
 
 Memory per converted parameter: 4 B FP32 parameter + 2 B copy + 4 B FP32 gradient + optimizer state. Copies and FP32
-gradients are views of one flat buffer per device each, allocated when the parameter set is built or changes
-(materialized, unfrozen, replaced, moved, sent to FP32 by ``fp32_modules="auto"``); a steady step allocates nothing.
+gradients are views of one flat buffer per device each, allocated when the parameter set changes; a steady step
+allocates nothing.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import warnings
 from collections.abc import Iterable
 from functools import partial
 from itertools import repeat as _repeat
-from operator import attrgetter, is_not
+from operator import attrgetter, is_, is_not
 
 import torch
 from torch import Tensor, nn
@@ -55,6 +55,7 @@ from torch.nn.parameter import is_lazy
 
 from lightning_mp.formats import HALF_DTYPES
 from lightning_mp.numerics import without_grad
+from lightning_mp.numerics.bracket import bracket, unbracket
 from lightning_mp.numerics.copies import flat_views, fold_grads
 
 _DTYPE, _DEVICE, _VERSION = attrgetter("dtype"), attrgetter("device"), attrgetter("_version")
@@ -80,7 +81,8 @@ class MasterWeights:
         self._keep_fp32 = keep_fp32
         self._roots: list[nn.Module] = []
         self._handles: list = []
-        self._hooked: set[int] = set()
+        self._hooked: set[int] = set()  # modules whose forward enters and leaves through hooks (bracket.py)
+        self._swapped: dict[int, nn.Module] = {}  # ... through a class swap
         self._built = False
         # per converted parameter: Parameter, copy, FP32 gradient view, (data_ptr, version) at the last refresh
         self.params: list[nn.Parameter] = []
@@ -88,11 +90,15 @@ class MasterWeights:
         self._grad_views: list[Tensor] = []
         self._seen: list[tuple[int, int] | None] = []
         self._dtypes, self._devices = [], []  # the masters' dtypes and the copies' devices at the build
-        self._slot: dict[nn.Parameter, int] = {}
-        self._slot_of: dict[int, int] = {}  # the same by id(Parameter)
-        # id(module) -> [(name, param, slot)]; slot -1: a parameter to re-examine (lazy, or frozen 16-bit)
-        self._entries: dict[int, list[tuple[str, nn.Parameter, int]]] = {}
-        self._depth: dict[int, int] = {}
+        self._slot_of: dict[int, int] = {}  # id(Parameter) -> its index in params
+        # what a module's forward installs, by id(module) (a module class may define __eq__, and so have no hash):
+        # ({name: copy}, first name, (names, Nones)); the modules that also own a lazy or frozen 16-bit parameter
+        self._installs: dict[int, tuple[dict[str, Tensor], str, tuple[tuple[str, ...], tuple[None, ...]]]] = {}
+        self._recheck: set[int] = set()
+        # checked at each refresh: per entry its module's _parameters, the name, the Parameter found there at the build
+        self._owners, self._names, self._owned = [], [], []
+        self._waiting: list[nn.Parameter] = []  # lazy, or frozen 16-bit: a copy once materialized or unfrozen
+        self._requires_grad: list[bool] = []
         self._pending = True
         self._force = True
         self._warned = False
@@ -119,8 +125,9 @@ class MasterWeights:
                     kept.update(mod.parameters(recurse=False))  # renormalises its weight in place in forward
         params: list[nn.Parameter] = []
         slot: dict[nn.Parameter, int] = {}
-        entries: dict[int, list[tuple[str, nn.Parameter, int]]] = {}
+        owners: list[tuple[nn.Module, list[tuple[str, nn.Parameter, int]]]] = []
         upcast, upcast_dtype = 0, None
+        roots = {id(root) for root in self._roots}
         for root in self._roots:
             for mod in root.modules():
                 own = []
@@ -145,11 +152,15 @@ class MasterWeights:
                         params.append(p)
                     own.append((name, p, slot[p]))
                 if own:
-                    entries[id(mod)] = own
+                    owners.append((mod, own))
                     if id(mod) not in self._hooked:
-                        self._hooked.add(id(mod))
-                        self._handles.append(mod.register_forward_pre_hook(self._install))
-                        self._handles.append(mod.register_forward_hook(self._uninstall, always_call=True))
+                        # hooks for a lazy module: its own pre-hook materializes it, inside a swapped _call_impl
+                        handles = bracket(mod, self, hooks=id(mod) in roots or any(i < 0 for _, _, i in own))
+                        self._handles.extend(handles)
+                        if handles:
+                            self._hooked.add(id(mod))
+                        else:
+                            self._swapped[id(mod)] = mod
         if upcast and not self._warned:
             self._warned = True
             warnings.warn(
@@ -158,10 +169,24 @@ class MasterWeights:
                 "let MixedPrecisionPlugin make the 16-bit copies (frozen 16-bit parameters stay 16-bit).",
                 stacklevel=3,
             )
-        self.params, self._slot, self._entries = params, slot, entries
+        self.params = params
         self._slot_of = {id(p): i for p, i in slot.items()}
         self._copies = flat_views(params, self.dtype, leaf=True)
         self._grad_views = flat_views(params, torch.float32, leaf=False)
+        # what each forward installs, and what the refresh checks once per step
+        self._installs, self._recheck = {}, set()
+        self._owners, self._names, self._owned, self._waiting = [], [], [], []
+        for mod, own in owners:
+            install = {name: self._copies[i] for name, _, i in own if i >= 0}
+            if install:
+                self._installs[id(mod)] = (install, next(iter(install)), (tuple(install), (None,) * len(install)))
+            if len(install) < len(own):
+                self._recheck.add(id(mod))
+                self._waiting.extend(p for _, p, i in own if i < 0)
+            self._owners += [mod._parameters] * len(own)
+            self._names += [name for name, _, _ in own]
+            self._owned += [p for _, p, _ in own]
+        self._requires_grad = list(map(_REQUIRES_GRAD, self._copies))  # the copies follow at the next refresh
         self._seen = [None] * len(params)
         self._dtypes, self._devices = list(map(_DTYPE, params)), [c.device for c in self._copies]
         self._built = True
@@ -175,8 +200,8 @@ class MasterWeights:
         self._pending = True
         self._force = self._force or force
 
-    def rebuild(self) -> None:  # the kept modules changed: choose the converted parameters again at begin()
-        self._built = False
+    def rebuild(self) -> None:
+        self._built = False  # the kept modules changed: choose the converted parameters again at begin()
 
     def mark_stale(self, params: Iterable[nn.Parameter]) -> None:
         """These masters changed (an optimizer stepped them): refresh their copies at the next hooked forward."""
@@ -185,19 +210,31 @@ class MasterWeights:
         list(map(seen.__setitem__, filter(_IS_NOT_NONE, map(self._slot_of.get, map(id, params))), _repeat(None)))
         self._pending = True
 
+    def _moved(self) -> bool:
+        """Whether the parameters were moved, re-dtyped, replaced, pruned, materialized or unfrozen since the build."""
+        params = self.params
+        if list(map(_DTYPE, params)) != self._dtypes or list(map(_DEVICE, params)) != self._devices:
+            return True
+        if not all(map(is_, map(dict.get, self._owners, self._names), self._owned)):
+            return True
+        return any(p.requires_grad and not is_lazy(p) for p in self._waiting)
+
     def _refresh(self) -> None:
         if not self._built:
             self._build()
         force, self._force, self._pending = self._force, False, False
-        params, copies = self.params, self._copies
-        # C-level passes over the parameters (a Python loop per parameter costs several times more inside a fit,
-        # where the forward and backward have evicted the interpreter's data from the caches)
-        if list(map(_DTYPE, params)) != self._dtypes or list(map(_DEVICE, params)) != self._devices:
-            self._build()  # moved or re-dtyped: a new parameter set
+        # C-level passes: a Python loop per parameter costs several times more inside a fit (cold caches)
+        if self._moved():
+            self._build()  # a new parameter set
             self._force = True
             return self._refresh()
+        params, copies = self.params, self._copies
+        requires_grad = list(map(_REQUIRES_GRAD, params))
+        if requires_grad != self._requires_grad:  # frozen or unfrozen since (BaseFinetuning): the copies follow
+            list(map(Tensor.requires_grad_, copies, requires_grad))
+            self._requires_grad = requires_grad
         marks = list(zip(map(_DATA_PTR, params), map(_VERSION, params)))
-        if force and all(map(_REQUIRES_GRAD, params)):  # the Trainer's training step: every copy
+        if force and all(requires_grad):  # the Trainer's training step: every copy
             dst, src = copies, params
         else:
             stale = [i for i, (p, was, now) in enumerate(zip(params, self._seen, marks))
@@ -207,70 +244,43 @@ class MasterWeights:
             _copy_(dst, src)
         self._seen = marks
 
-    def _install(self, module: nn.Module, args) -> None:
-        if torch.compiler.is_compiling():
-            return  # compiled code reads the FP32 Parameters under autocast (bf16-mixed semantics)
+    def enter(self, module: nn.Module) -> tuple[tuple[str, ...], tuple[None, ...]] | None:
+        """Before ``module``'s call: its copies in its instance ``__dict__``; the names to take out after the call
+        (:mod:`.bracket`), ``None`` if none were put in. The parameter set is checked at the refresh, once per step."""
         if self._pending:
             self._refresh()
-        entries = self._entries.get(id(module))
-        if entries is None:
-            return
         key = id(module)
-        depth = self._depth.get(key, 0)
-        self._depth[key] = depth + 1
-        if depth:
-            return  # a module called inside its own forward: installed already
-        params, d = module._parameters, module.__dict__
-        copies = self._copies
-        for name, p, i in entries:
-            if i < 0 and params.get(name) is p and (is_lazy(p) or not p.requires_grad):
-                continue  # still lazy, or a frozen 16-bit parameter: no copy
-            if i < 0 or params.get(name) is not p:  # materialized, unfrozen, replaced or pruned since the build
-                self._build()
-                self._force = True
-                self._refresh()
-                self._depth[key] = 0
-                return self._install(module, args)
-            c = copies[i]
-            if c.requires_grad != p.requires_grad:  # frozen or unfrozen since the last refresh (BaseFinetuning)
-                c.requires_grad_(p.requires_grad)
-            d[name] = c
-
-    def _uninstall(self, module: nn.Module, args, output) -> None:
-        if torch.compiler.is_compiling():  # nothing was installed (see _install)
-            return
-        key = id(module)
-        depth = self._depth.get(key, 0)
-        if depth > 1:
-            self._depth[key] = depth - 1
-            return
-        self._depth.pop(key, None)
+        if self._recheck and key in self._recheck and self._moved():  # a lazy module materialized just now
+            self._build()
+            self._force = True
+            self._refresh()
+        install = self._installs.get(key)
         d = module.__dict__
-        for name, _, i in self._entries.get(key, ()):
-            if i >= 0 and d.get(name) is self._copies[i]:
-                del d[name]
+        if install is None or install[1] in d:  # none, or a module called inside its own forward: in place already
+            return None
+        d.update(install[0])
+        return install[2]
 
     def fold_grads(self) -> None:
-        """Add the copies' 16-bit gradients into the Parameters' FP32 ``.grad`` and drop them (one fused pass each:
-        a copy into the persistent FP32 view where ``.grad`` is ``None``, an add where it exists: FP32 sums)."""
+        """Add the copies' 16-bit gradients into the Parameters' FP32 ``.grad`` and drop them (:func:`.fold_grads`)."""
         fold_grads(self.params, self._copies, self._grad_views)
 
     # ------------------------------------------------------------------ teardown
     def remove(self) -> None:
-        """Take the hooks out and give the memory back; the Parameters were FP32 all along."""
+        """Take the hooks and swapped classes out and give the memory back; the Parameters were FP32 all along."""
         self.fold_grads()
         for handle in self._handles:
             handle.remove()
-        for root in self._roots:
+        for mod in self._swapped.values():
+            unbracket(mod)
+        for root in self._roots:  # copies left in a forward that a BaseException (KeyboardInterrupt) cut short
             for mod in root.modules():
-                for name, _, i in self._entries.get(id(mod), ()):
-                    if i >= 0 and mod.__dict__.get(name) is self._copies[i]:
-                        del mod.__dict__[name]
+                if (install := self._installs.get(id(mod))) is not None:
+                    list(map(mod.__dict__.pop, *install[2]))
         self.__init__(self.dtype, self._keep_fp32)
 
     def __deepcopy__(self, memo) -> MasterWeights:
-        # a deep copy of a hooked model (SWA's averaged model, an EMA copy) carries hooks bound to a fresh, empty
-        # store: they find no entries for the copied modules, which then read their FP32 Parameters under autocast
+        # a deep copy of a watched model (SWA, EMA) gets a fresh, empty store: it reads its FP32 Parameters
         return MasterWeights(self.dtype)
 
     def __reduce__(self):
