@@ -21,6 +21,11 @@ def watched(model):
     return masters
 
 
+def fwd(module, x):
+    with torch.autocast("cpu", dtype=BF16):
+        return module(x)
+
+
 def weight_dtype_inside(module, model, x):
     seen = []
     hook = inside_forward(module, lambda mod, args, out: seen.append(mod.weight.dtype))
@@ -121,3 +126,89 @@ def test_two_fits_one_after_the_other_swap_and_restore_the_same_module():
         assert type(model[0]) is nn.Linear
         with torch.autocast("cpu", dtype=BF16):
             assert model[0](torch.ones(1, 3)).dtype == BF16  # plain autocast after teardown
+
+
+def test_a_call_outside_autocast_reads_the_fp32_parameters_as_under_bf16_mixed():
+    # a callback's forward at an epoch's end, torch.jit.trace: outside the run's autocast the model is FP32
+    model = nn.Sequential(nn.Linear(3, 2))
+    watched(model)
+    out = model(torch.ones(1, 3))
+    assert out.dtype == torch.float32 and torch.equal(out, nn.functional.linear(torch.ones(1, 3), model[0].weight,
+                                                                                model[0].bias))
+    assert weight_dtype_inside(model[0], model, torch.ones(1, 3)) == BF16  # under autocast: the copy
+
+
+def test_functional_call_computes_with_the_tensors_it_is_given():
+    # torch.func.functional_call puts plain tensors in the Parameters' places for one call (SAM, MAML, per-sample
+    # gradients): the module reads those, under autocast, and its next ordinary call reads its copies again
+    from torch.func import functional_call
+
+    model = nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 1))
+    masters = watched(model)
+    zeros = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    x = torch.ones(4, 3)
+    for _ in range(2):  # before and after an ordinary forward, in one step
+        with torch.autocast("cpu", dtype=BF16):
+            assert functional_call(model, zeros, (x,)).abs().max() == 0
+        assert weight_dtype_inside(model[2], model, x) == BF16
+        masters.begin(force=True)
+    assert all(type(p) is nn.Parameter and p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_hooks_on_a_module_see_its_fp32_parameters_as_under_bf16_mixed():
+    # a weight constraint in a pre-hook must reach the FP32 Parameter, not the copy; hooks registered before the fit
+    # (the module keeps hooks of ours then) and during it (it was swapped) alike
+    seen = []
+
+    def clamp(mod, args):
+        seen.append(mod.weight.dtype)
+        with torch.no_grad():
+            mod.weight.clamp_(-0.05, 0.05)
+
+    early, late = nn.Linear(3, 3), nn.Linear(3, 1)
+    early.register_forward_pre_hook(clamp)
+    early.register_forward_hook(lambda mod, args, out: seen.append(mod.weight.dtype))
+    model = nn.Sequential(early, late)
+    masters = watched(model)
+    fwd(model, torch.ones(1, 3))
+    late.register_forward_pre_hook(clamp)
+    late.register_forward_hook(lambda mod, args, out: seen.append(mod.weight.dtype))
+    masters.begin(force=True)
+    fwd(model, torch.ones(1, 3))
+    assert seen == [torch.float32] * 6
+    assert early.weight.abs().max() <= 0.05 and late.weight.abs().max() <= 0.05
+    assert weight_dtype_inside(late, model, torch.ones(1, 3)) == BF16  # the forward itself reads the copy
+
+
+class Registered(nn.Linear):
+    registry: dict = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        Registered.registry[cls.__name__] = cls
+
+
+class Layer(Registered):
+    pass
+
+
+class New(nn.Linear):
+    def __new__(cls, *args, **kwargs):
+        return super().__new__(cls)
+
+
+def test_a_class_with_a_subclass_registry_or_its_own_new_is_not_subclassed():
+    model = nn.Sequential(Layer(3, 3), New(3, 1))
+    watched(model)
+    assert weight_dtype_inside(model[0], model, torch.ones(1, 3)) == BF16
+    assert weight_dtype_inside(model[1], model, torch.ones(1, 3)) == BF16
+    assert type(model[0]) is Layer and type(model[1]) is New and Registered.registry == {"Layer": Layer}
+    assert type(pickle.loads(pickle.dumps(model))[1]).__name__ == "New"
+
+
+def test_pickle_protocols_below_2_give_the_original_class():
+    model = nn.Sequential(nn.Linear(3, 2))
+    watched(model)
+    for protocol in (0, 1):
+        twin = pickle.loads(pickle.dumps(model, protocol=protocol))
+        assert type(twin[0]) is nn.Linear and "_lightning_mp_store" not in vars(twin[0])

@@ -136,12 +136,12 @@ def test_a_kept_module_is_fp32_through_its_subtree_and_tied_weights_share_one_co
 def test_a_frozen_bf16_parameter_stays_bf16_until_it_is_unfrozen():
     lin = nn.Linear(4, 4).to(BF16).requires_grad_(False)
     masters = watched(lin)
-    lin(torch.ones(1, 4, dtype=BF16))
+    fwd(lin, torch.ones(1, 4, dtype=BF16))
     assert lin.weight.dtype == BF16 and not masters.params
     lin.requires_grad_(True)  # BaseFinetuning unfreezes it mid-fit
     masters.begin()
     with pytest.warns(UserWarning, match="already in torch.bfloat16"):
-        lin(torch.ones(1, 4, dtype=BF16)).float().sum().backward()
+        fwd(lin, torch.ones(1, 4, dtype=BF16)).float().sum().backward()
     masters.fold_grads()
     assert lin.weight.dtype == torch.float32 and lin.weight.grad.dtype == torch.float32
 

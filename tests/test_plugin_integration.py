@@ -122,6 +122,23 @@ def test_the_model_keeps_its_class_names_and_gets_its_own_classes_back_after_fit
     assert type(model) is TinyRegressor
 
 
+class SampleAtEpochEnd(Callback):
+    """A callback that runs the model on FP32 inputs at each epoch's end, outside the step's autocast."""
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.out = pl_module(torch.ones(2, 8))
+
+
+def test_a_callback_calling_the_model_at_an_epochs_end_gets_what_bf16_mixed_gives():
+    ours, native = SampleAtEpochEnd(), SampleAtEpochEnd()
+    torch.manual_seed(0)
+    fit(TinyRegressor(), MixedPrecisionPlugin("bf16"), max_epochs=1, callbacks=[ours])
+    torch.manual_seed(0)
+    fit(TinyRegressor(), None, max_epochs=1, callbacks=[native], precision="bf16-mixed")
+    assert ours.out.dtype == native.out.dtype == torch.float32  # FP32 Parameters, no dtype mismatch
+    torch.testing.assert_close(ours.out, native.out, rtol=2**-6, atol=2**-6)  # a bf16 run's weights apart
+
+
 def test_frozen_and_unoptimized_params_are_never_rounded():
     class Partly(TinyRegressor):
         def __init__(self):

@@ -18,7 +18,13 @@ Two ways, chosen per module by :func:`bracket`:
   root's ``forward``, Fabric and wrappers redirect it through an instance attribute, which would shadow a class's
   ``forward``), a lazy module (its own pre-hook materializes it, which inside a swapped ``_call_impl`` would run
   after the store's ``enter``), a parametrized module (``remove_parametrizations`` swaps back to ``__bases__[0]``),
-  and a class that cannot be subclassed.
+  and a class whose subclasses someone else would see or that pickling would not find (a metaclass, an
+  ``__init_subclass__``, its own ``__new__``). Our pre-hook runs after the user's pre-hooks and our forward hook
+  before the user's forward hooks.
+
+Either way, hooks that the user puts on a module see its FP32 Parameters, as under ``bf16-mixed`` (a swapped module
+with hooks has its copies put in around its ``forward`` only, :func:`_hooked_call`), and so does everything outside
+the run's autocast (the store's ``enter`` puts nothing in there).
 
 Compiled code (``torch.compile``, ``torch.export``) runs the plain ``forward``: it reads the FP32 Parameters under
 autocast, as with Lightning's ``bf16-mixed``.
@@ -31,6 +37,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 from torch.nn.utils import parametrize
 
 _STORE = "_lightning_mp_store"  # the module's __dict__ entry: the store whose copies its forward reads
@@ -61,16 +68,56 @@ def bracket(module: nn.Module, store: Store, hooks: bool) -> list[Any]:
                 module.__class__ = sub
             return []
 
-    calls: list[Installed | None] = []  # per call in progress (a module can call itself inside its forward)
+    # the pre-hook runs after the user's pre-hooks and the forward hook before the user's forward hooks: theirs see the
+    # FP32 Parameters, as under bf16-mixed
+    hooks = _Hooks(store)
+    return [module.register_forward_pre_hook(hooks.enter),
+            module.register_forward_hook(hooks.leave, always_call=True, prepend=True)]
 
-    def enter(mod: nn.Module, args: Any) -> None:
-        calls.append(None if torch.compiler.is_compiling() else store.enter(mod))
 
-    def leave(mod: nn.Module, args: Any, output: Any) -> None:
-        if calls and (installed := calls.pop()) is not None:
-            _take_out(mod, installed)
+class _Hooks:
+    """The hook pair of one module (an object, not closures: a model pickled with its hooks, ``torch.save(model)``
+    during a fit, pickles them with the store, which pickles as an empty one)."""
 
-    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.calls: list[Installed | None] = []  # per call in progress (a module can call itself inside its forward)
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        self.calls.append(None if torch.compiler.is_compiling() else self.store.enter(module))
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.calls and (installed := self.calls.pop()) is not None:
+            _take_out(module, installed)
+
+    def __reduce__(self):
+        return (_Hooks, (self.store,))
+
+
+def _hooked_call(module: nn.Module, cls: type, store: Store, args: tuple, kwargs: dict) -> Any:
+    """A swapped module that has forward hooks (registered after the swap, or global ones): the copies go in around
+    its forward only, so the hooks see the FP32 Parameters as under bf16-mixed (through a forward set on the instance
+    for this call; one already there, Fabric's redirection, is wrapped and put back)."""
+    d = module.__dict__
+    own = d.get("forward")
+    inner = own if own is not None else cls.forward.__get__(module)
+
+    def forward(*a: Any, **k: Any) -> Any:
+        installed = store.enter(module)
+        try:
+            return inner(*a, **k)
+        finally:
+            if installed is not None:
+                _take_out(module, installed)
+
+    d["forward"] = forward
+    try:
+        return cls._call_impl(module, *args, **kwargs)
+    finally:
+        if own is None:
+            d.pop("forward", None)
+        else:
+            d["forward"] = own
 
 
 def unbracket(module: nn.Module) -> None:
@@ -87,6 +134,8 @@ def _subclass(cls: type) -> type | None:
     sub = _SUBCLASSES.get(cls)
     if sub is not None:
         return sub
+    if type(cls) is not type or any("__init_subclass__" in vars(c) or "__new__" in vars(c) for c in cls.__mro__[:-1]):
+        return None  # a metaclass or an __init_subclass__ would see (register) our class; a __new__ defeats pickling
 
     def _call_impl(self, *args, **kwargs):
         # around nn.Module's _call_impl, not forward: a forward set on the instance (Fabric's redirection of a marked
@@ -96,6 +145,8 @@ def _subclass(cls: type) -> type | None:
         store = self.__dict__.get(_STORE)
         if store is None:  # a DataParallel replica, say: its own parameters
             return cls._call_impl(self, *args, **kwargs)
+        if self._forward_hooks or self._forward_pre_hooks or _global_forward_hooks or _global_forward_pre_hooks:
+            return _hooked_call(self, cls, store, args, kwargs)
         installed = store.enter(self)
         try:
             return cls._call_impl(self, *args, **kwargs)
@@ -106,14 +157,14 @@ def _subclass(cls: type) -> type | None:
     def __reduce_ex__(self, protocol):
         # pickled and copied as the original class, without the store: the copy computes on its own FP32 Parameters.
         # pickle refuses __newobj__ with another class than the object's: object.__new__(cls) through copyreg
+        # (protocols 0 and 1 reduce to copyreg._reconstructor already)
         rv = cls.__reduce_ex__(self, protocol)
-        if type(rv) is tuple and len(rv) > 2 and rv[0] is copyreg.__newobj__ and rv[1] == (sub,) and (
-            cls.__new__ is object.__new__
-        ):
+        if type(rv) is tuple and len(rv) > 2 and type(rv[1]) is tuple and rv[1][:1] == (sub,):
             state = rv[2]
             if isinstance(state, dict) and _STORE in state:
                 state = {k: v for k, v in state.items() if k != _STORE}
-            return (copyreg._reconstructor, (cls, object, None), state, *rv[3:])
+            args = (cls, object, None) if rv[0] is copyreg.__newobj__ else (cls, *rv[1][1:])
+            return (copyreg._reconstructor if rv[0] is copyreg.__newobj__ else rv[0], args, state, *rv[3:])
         return rv
 
     try:

@@ -62,6 +62,7 @@ _DTYPE, _DEVICE, _VERSION = attrgetter("dtype"), attrgetter("device"), attrgette
 _REQUIRES_GRAD, _DATA_PTR = attrgetter("requires_grad"), Tensor.data_ptr
 _IS_NOT_NONE = partial(is_not, None)
 _copy_ = without_grad(torch._foreach_copy_)
+_autocast_on = torch.is_autocast_enabled
 
 
 class MasterWeights:
@@ -90,6 +91,7 @@ class MasterWeights:
         self._grad_views: list[Tensor] = []
         self._seen: list[tuple[int, int] | None] = []
         self._dtypes, self._devices = [], []  # the masters' dtypes and the copies' devices at the build
+        self._device_type = "cpu"  # whose autocast a forward must be under to read the copies
         self._slot_of: dict[int, int] = {}  # id(Parameter) -> its index in params
         # what a module's forward installs, by id(module) (a module class may define __eq__, and so have no hash):
         # ({name: copy}, first name, (names, Nones)); the modules that also own a lazy or frozen 16-bit parameter
@@ -132,7 +134,8 @@ class MasterWeights:
             for mod in root.modules():
                 own = []
                 for name, p in mod._parameters.items():
-                    if p is None or not (is_lazy(p) or p.is_floating_point()):
+                    # a plain tensor in a Parameter's place: torch.func.functional_call's, for one call
+                    if not isinstance(p, nn.Parameter) or not (is_lazy(p) or p.is_floating_point()):
                         continue
                     if p in kept:
                         if p.dtype in HALF_DTYPES and p.requires_grad and not is_lazy(p):
@@ -179,7 +182,9 @@ class MasterWeights:
         for mod, own in owners:
             install = {name: self._copies[i] for name, _, i in own if i >= 0}
             if install:
-                self._installs[id(mod)] = (install, next(iter(install)), (tuple(install), (None,) * len(install)))
+                owned = tuple(p for _, p, i in own if i >= 0)
+                installed = (tuple(install), (None,) * len(install))
+                self._installs[id(mod)] = (install, next(iter(install)), installed, mod._parameters, owned)
             if len(install) < len(own):
                 self._recheck.add(id(mod))
                 self._waiting.extend(p for _, p, i in own if i < 0)
@@ -189,6 +194,7 @@ class MasterWeights:
         self._requires_grad = list(map(_REQUIRES_GRAD, self._copies))  # the copies follow at the next refresh
         self._seen = [None] * len(params)
         self._dtypes, self._devices = list(map(_DTYPE, params)), [c.device for c in self._copies]
+        self._device_type = self._devices[0].type if self._devices else "cpu"
         self._built = True
         self._pending = True
 
@@ -215,8 +221,9 @@ class MasterWeights:
         params = self.params
         if list(map(_DTYPE, params)) != self._dtypes or list(map(_DEVICE, params)) != self._devices:
             return True
-        if not all(map(is_, map(dict.get, self._owners, self._names), self._owned)):
-            return True
+        now = list(map(dict.get, self._owners, self._names))
+        if not all(map(is_, now, self._owned)):  # replaced or pruned, unless by a plain tensor (functional_call's)
+            return any(n is not p and isinstance(n, nn.Parameter | None) for n, p in zip(now, self._owned))
         return any(p.requires_grad and not is_lazy(p) for p in self._waiting)
 
     def _refresh(self) -> None:
@@ -247,6 +254,8 @@ class MasterWeights:
     def enter(self, module: nn.Module) -> tuple[tuple[str, ...], tuple[None, ...]] | None:
         """Before ``module``'s call: its copies in its instance ``__dict__``; the names to take out after the call
         (:mod:`.bracket`), ``None`` if none were put in. The parameter set is checked at the refresh, once per step."""
+        if not _autocast_on(self._device_type):
+            return None  # outside the run's autocast (a callback's forward, jit.trace): FP32, as under bf16-mixed
         if self._pending:
             self._refresh()
         key = id(module)
@@ -258,6 +267,8 @@ class MasterWeights:
         d = module.__dict__
         if install is None or install[1] in d:  # none, or a module called inside its own forward: in place already
             return None
+        if not all(map(is_, map(install[3].get, install[2][0]), install[4])):
+            return None  # another tensor in a Parameter's place for this call (functional_call): it reads that one
         d.update(install[0])
         return install[2]
 
