@@ -7,9 +7,9 @@ Two ways, chosen per module by :func:`bracket`:
 * **A class swap** (the modules inside a model, the common case). The module's class becomes a subclass of it,
   made once per class and named as it, whose ``_call_impl`` brackets ``nn.Module``'s: a forward set on the instance
   (Fabric's marked methods, accelerate's hooks) runs inside the bracket too. ``nn.Module.__call__`` keeps its fast
-  path: about 100 bytecodes a call with the store's ``enter``, where a forward pre-hook and an always-called
+  path: about 130 bytecodes a call with the store's ``enter``, where a forward pre-hook and an always-called
   forward hook send every call through ``_call_impl``'s hook path, about 390 with the hooks' own (on the Llama 2x64
-  of ``benchmarks/zoo.py``, 20 module calls a step: 5.8k bytecodes fewer). ``isinstance``, the class name and
+  of ``benchmarks/zoo.py``, 20 module calls a step: 5.2k bytecodes fewer). ``isinstance``, the class name and
   ``repr`` are unchanged; ``type(module) is cls`` is not, the price torch's parametrizations and FSDP2 pay for the
   same reason. Pickling, ``copy`` and ``deepcopy`` give the original class, which computes on its own FP32
   Parameters under autocast. :func:`unbracket` puts the class back.
