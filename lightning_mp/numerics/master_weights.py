@@ -94,9 +94,9 @@ class MasterWeights:
         self._device_type = "cpu"  # whose autocast a forward must be under to read the copies
         self._slot_of: dict[int, int] = {}  # id(Parameter) -> its index in params
         # what a module's forward installs, by id(module) (a module class may define __eq__, and so have no hash):
-        # ({name: copy}, first name, (names, Nones)); the modules that also own a lazy or frozen 16-bit parameter
-        self._installs: dict[int, tuple[dict[str, Tensor], str, tuple[tuple[str, ...], tuple[None, ...]]]] = {}
-        self._recheck: set[int] = set()
+        # ({name: copy}, first name, (names, Nones), its _parameters, the Parameters the copies stand for)
+        self._installs: dict[int, tuple] = {}
+        self._recheck: set[int] = set()  # the modules that also own a lazy or frozen 16-bit parameter
         # checked at each refresh: per entry its module's _parameters, the name, the Parameter found there at the build
         self._owners, self._names, self._owned = [], [], []
         self._waiting: list[nn.Parameter] = []  # lazy, or frozen 16-bit: a copy once materialized or unfrozen
@@ -221,8 +221,9 @@ class MasterWeights:
         params = self.params
         if list(map(_DTYPE, params)) != self._dtypes or list(map(_DEVICE, params)) != self._devices:
             return True
-        now = list(map(dict.get, self._owners, self._names))
-        if not all(map(is_, now, self._owned)):  # replaced or pruned, unless by a plain tensor (functional_call's)
+        if not all(map(is_, map(dict.get, self._owners, self._names), self._owned)):
+            # replaced or pruned, unless by a plain tensor (functional_call's, for one call)
+            now = map(dict.get, self._owners, self._names)
             return any(n is not p and isinstance(n, nn.Parameter | None) for n, p in zip(now, self._owned))
         return any(p.requires_grad and not is_lazy(p) for p in self._waiting)
 
@@ -253,7 +254,8 @@ class MasterWeights:
 
     def enter(self, module: nn.Module) -> tuple[tuple[str, ...], tuple[None, ...]] | None:
         """Before ``module``'s call: its copies in its instance ``__dict__``; the names to take out after the call
-        (:mod:`.bracket`), ``None`` if none were put in. The parameter set is checked at the refresh, once per step."""
+        (:mod:`.bracket`), ``None`` if none were put in. The parameter set is checked at the refresh, once per step;
+        a call only checks that its module still holds the Parameters its copies stand for."""
         if not _autocast_on(self._device_type):
             return None  # outside the run's autocast (a callback's forward, jit.trace): FP32, as under bf16-mixed
         if self._pending:
