@@ -5,6 +5,8 @@
     python benchmarks/zoo.py --quick                  # every model at a tiny size (a smoke test)
     python benchmarks/zoo.py --bytecodes              # also Python bytecodes per step, a count with no noise
     python benchmarks/zoo.py --unchecked              # also ours bf16 without its inf/NaN check, as bf16-mixed runs
+    python benchmarks/zoo.py --faults                 # also the page faults of a step (the allocator's share of it)
+    python benchmarks/zoo.py --steady-malloc          # the same with glibc keeping freed memory: no page faults
 
 For each model, four variants train through a real ``lightning.Trainer`` on random tokens (random images for
 the ResNet): ``32-true``, Lightning's ``bf16-mixed``, and ``MixedPrecisionPlugin("bf16")`` / ``("fp16")`` with
@@ -16,6 +18,14 @@ backward, unscale/check, optimizer step) by two clocks: CPU time of the training
 on a shared CPU it counts only this step's own work, exact with ``--threads 1``, where torch computes on that
 thread) and wall time. The first ``--warmup`` steps of every fit are dropped.
 
+Page faults: glibc's ``malloc`` gives large freed blocks back to the kernel (above its adaptive mmap threshold, or
+trimmed off the top of the heap), and the kernel zeroes every 4 KiB page of the next such allocation on its first
+touch. A step that allocates what the previous one freed pays that again every step, whatever the precision, and
+how much depends on the order of allocations, which differs between variants and between processes. ``--faults``
+adds a table of the minor faults per step (``getrusage``, this thread); ``--steady-malloc`` reruns the zoo in a
+child process whose glibc keeps freed memory (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``), so that the
+ratios compare the variants' own work.
+
 A variant's ms/step is the median over rounds of its per-round median step; a ratio is the median over rounds of
 the per-round ratio (two variants timed in the same round, minutes apart at most), with its range over rounds in
 brackets. ``transformers`` models are skipped, with one line, where it is not installed
@@ -26,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -46,25 +58,40 @@ except ImportError:  # the bench extra is not installed: the transformers models
     transformers = None
 
 VOCAB = 1024  # tokens for the models we build; the demo GPT is byte-level (256)
+# --steady-malloc: glibc serves every allocation below 1 GiB from its heap and never trims it (read at start-up)
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+try:
+    import resource
+except ImportError:  # Windows: no fault counter (the column then reads 0)
+    resource = None
+
+
+def _faults() -> int:
+    """Minor page faults so far: this thread's on Linux, the process's elsewhere."""
+    if resource is None:
+        return 0
+    return resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt
 
 
 class StepTimer(Callback):
-    """CPU time of the training thread and wall time of every training step (CUDA synchronized)."""
+    """CPU time of the training thread, wall time and minor page faults of every training step (CUDA synchronized)."""
 
     def __init__(self) -> None:
         self.cpu: list[float] = []
         self.wall: list[float] = []
+        self.faults: list[int] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
-        self._t0 = (time.thread_time(), time.perf_counter())
+        self._t0 = (time.thread_time(), time.perf_counter(), _faults())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
         self.cpu.append(time.thread_time() - self._t0[0])
         self.wall.append(time.perf_counter() - self._t0[1])
+        self.faults.append(_faults() - self._t0[2])
 
 
 class BytecodeCounter(Callback):
@@ -213,11 +240,11 @@ def _fit(build, variant: str, args, callback: Callback) -> None:
     trainer.fit(model, loader)
 
 
-def fit(build, variant: str, args) -> tuple[float, float]:
-    """One short fit of a fresh model; the median (CPU, wall) seconds of its timed steps."""
+def fit(build, variant: str, args) -> tuple[float, float, float]:
+    """One short fit of a fresh model; the median (CPU, wall) seconds and minor page faults of its timed steps."""
     timer = StepTimer()
     _fit(build, variant, args, timer)
-    return statistics.median(timer.cpu[args.warmup :]), statistics.median(timer.wall[args.warmup :])
+    return tuple(statistics.median(t[args.warmup :]) for t in (timer.cpu, timer.wall, timer.faults))
 
 
 def bytecodes(build, variant: str, args) -> int:
@@ -266,6 +293,10 @@ def _ms(times: dict, variant: str, clock: int) -> str:
     return f"{statistics.median(t[clock] for t in times[variant]) * 1e3:.1f}" if times[variant] else "error"
 
 
+def _faults_cell(times: dict, variant: str) -> str:
+    return f"{statistics.median(t[2] for t in times[variant]):.0f}" if times[variant] else "error"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="default: all")
@@ -278,6 +309,9 @@ def main(argv=None) -> None:
                         help="also count the Python bytecodes of one training step per variant (deterministic)")
     parser.add_argument("--unchecked", action="store_true",
                         help="also time ours bf16 with check_finite=False (no inf/NaN check, as bf16-mixed)")
+    parser.add_argument("--faults", action="store_true", help="also print the minor page faults per step")
+    parser.add_argument("--steady-malloc", action="store_true",
+                        help="run in a child process whose glibc keeps freed memory (no page faults in steps)")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup = 3, 1
@@ -286,6 +320,15 @@ def main(argv=None) -> None:
             parser.error(f"--{name}={getattr(args, name)!r} must be >= 1")
     if not 0 <= args.warmup < args.steps:
         parser.error(f"--warmup={args.warmup!r} must be in [0, --steps={args.steps!r})")
+    if args.steady_malloc and not all(os.environ.get(k) == v for k, v in STEADY_MALLOC.items()):
+        # glibc reads these once, at start-up: the same zoo, in a fresh interpreter that has them
+        child = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--steady-malloc"]
+        print(f"--steady-malloc: {' '.join(f'{k}={v}' for k, v in STEADY_MALLOC.items())}", flush=True)
+        env = {**os.environ, **STEADY_MALLOC}
+        code = subprocess.call([sys.executable, __file__, *child, "--steady-malloc"], env=env)
+        if code:
+            raise SystemExit(code)
+        return
     torch.set_num_threads(args.threads)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no "GPU available" lines per fit
     for message in (".*`validation_step` but have no `val_dataloader`.*", ".*LeafSpec.*"):
@@ -310,7 +353,7 @@ def main(argv=None) -> None:
     variants, ratios = [*VARIANTS, *(UNCHECKED if args.unchecked else ())], list(RATIOS)
     if args.unchecked:
         ratios += [(f"{v} / bf16-mixed", v, "bf16-mixed") for v in UNCHECKED]
-    rows, all_errors, counts = [], [], {}
+    rows, all_errors, counts, faults = [], [], {}, {}
     for name in models:
         build = MODELS[name][0]
         try:
@@ -321,6 +364,7 @@ def main(argv=None) -> None:
         all_errors += [f"{name} / {v}: {e}" for v, e in errors.items()]
         rows.append([name, *(_ms(times, v, 0) for v in variants),
                      *(_ratio(times, n, d, c) for _, n, d in ratios for c in (0, 1))])
+        faults[name] = [_faults_cell(times, v) for v in variants]
         if args.bytecodes:
             counts[name] = [str(bytecodes(build, v, args)) if v not in errors else "error" for v in variants]
         print(f"{name}: {what} done", flush=True)
@@ -336,6 +380,13 @@ def main(argv=None) -> None:
         print("| model | " + " | ".join(variants) + " |")
         print("|---|" + "---:|" * len(variants))
         for name, row in counts.items():
+            print(f"| {name} | " + " | ".join(row) + " |")
+    if args.faults:
+        print("\nMinor page faults in one training step (median over rounds of each fit's median; a fault is a 4 KiB "
+              "page the kernel zeroes on first touch)\n")
+        print("| model | " + " | ".join(variants) + " |")
+        print("|---|" + "---:|" * len(variants))
+        for name, row in faults.items():
             print(f"| {name} | " + " | ".join(row) + " |")
     for line in all_errors:
         print(f"ERROR {line}")

@@ -43,8 +43,10 @@ DRIVEN_ELSEWHERE = {
     "python examples/train_resnet.py --runs fp32 bf16 --max-steps 30":
         "tests/test_demos_resnet.py::test_example_table_with_tiny_runs",
     "python benchmarks/zoo.py": "tests/test_zoo.py::test_quick_zoo_prints_one_row_of_positive_times_and_ratios_per_model",
-    "python benchmarks/zoo.py --rounds 16 --bytecodes --unchecked":
-        "tests/test_zoo.py::test_bytecode_counts_are_deterministic_and_printed_as_a_second_table",  # + test_unchecked_...
+    "python benchmarks/zoo.py --rounds 16 --bytecodes --unchecked --faults":
+        "tests/test_zoo.py::test_bytecode_counts_are_deterministic_and_printed_as_a_second_table",  # + _unchecked_, _faults_
+    "python benchmarks/zoo.py --rounds 16 --unchecked --faults --steady-malloc":
+        "tests/test_zoo.py::test_steady_malloc_reruns_the_same_zoo_in_a_child_whose_glibc_keeps_freed_memory",
     # installing into one's own project: pip builds the same wheel from the repository as from a checkout
     'pip install "lightning-mp @ git+<repository URL>"':
         "tests/test_packaging.py::test_first_python_block_runs_in_the_clean_environment",

@@ -110,3 +110,42 @@ def test_unchecked_adds_ours_bf16_without_the_check_and_its_ratio_to_bf16_mixed(
     assert header[5] == "ours bf16 unchecked ms" and header[-2:] == [
         "ours bf16 unchecked / bf16-mixed (CPU)", "ours bf16 unchecked / bf16-mixed (wall)"]
     assert all(float(cell.split()[0]) > 0 for cell in rows["gpt"])
+
+
+def test_the_fault_counter_sees_this_threads_first_touch_of_fresh_memory(zoo):
+    # 64 MiB is above glibc's largest adaptive mmap threshold (32 MiB): a fresh mapping, 16k pages never touched
+    before = zoo._faults()
+    buffer = torch.ones(16 << 20)
+    touched = zoo._faults() - before
+    assert touched >= 8000, touched  # each 4 KiB page faults once (fewer where the kernel maps a huge page)
+    before = zoo._faults()
+    buffer.fill_(2.0)  # the same pages again: mapped already
+    assert zoo._faults() - before < 100
+
+
+@pytest.mark.slow
+def test_faults_adds_a_table_of_page_faults_per_step_per_variant(zoo, capsys):
+    zoo.main(["--quick", "--rounds", "1", "--models", "gpt", "--faults"])
+    output = capsys.readouterr().out
+    table = output.split("Minor page faults in one training step")[1]
+    header, rows = _table(table)
+    assert header == ["model", *zoo.VARIANTS] and list(rows) == ["gpt"]
+    assert all(cell.isdigit() for cell in rows["gpt"]), rows
+    assert _table(output.split("Minor page faults")[0])[0][0] == "model"  # the timing table comes first, whole
+
+
+def test_steady_malloc_reruns_the_same_zoo_in_a_child_whose_glibc_keeps_freed_memory(zoo, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(zoo.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
+    for key in zoo.STEADY_MALLOC:
+        monkeypatch.delenv(key, raising=False)
+    zoo.main(["--quick", "--rounds", "3", "--models", "gpt", "--steady-malloc", "--faults"])
+    ((cmd, env),) = calls
+    assert cmd[1:] == [str(ZOO), "--quick", "--rounds", "3", "--models", "gpt", "--faults", "--steady-malloc"]
+    assert int(env["MALLOC_MMAP_THRESHOLD_"]) >= 1 << 30 and int(env["MALLOC_TRIM_THRESHOLD_"]) >= 1 << 40
+    assert "--steady-malloc: MALLOC_MMAP_THRESHOLD_=" in capsys.readouterr().out
+    # a failing child fails the command
+    monkeypatch.setattr(zoo.subprocess, "call", lambda cmd, env: 3)
+    with pytest.raises(SystemExit) as exit_info:
+        zoo.main(["--quick", "--models", "gpt", "--steady-malloc"])
+    assert exit_info.value.code == 3
