@@ -297,6 +297,14 @@ def _faults_cell(times: dict, variant: str) -> str:
     return f"{statistics.median(t[2] for t in times[variant]):.0f}" if times[variant] else "error"
 
 
+def _per_variant_table(title: str, variants: list[str], rows: dict[str, list[str]]) -> None:
+    print(f"\n{title}\n")
+    print("| model | " + " | ".join(variants) + " |")
+    print("|---|" + "---:|" * len(variants))
+    for name, row in rows.items():
+        print(f"| {name} | " + " | ".join(row) + " |")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="default: all")
@@ -376,18 +384,11 @@ def main(argv=None) -> None:
     for row in rows:
         print("| " + " | ".join(row) + " |")
     if counts:
-        print("\nPython bytecodes in one training step (deterministic; the Trainer's own included)\n")
-        print("| model | " + " | ".join(variants) + " |")
-        print("|---|" + "---:|" * len(variants))
-        for name, row in counts.items():
-            print(f"| {name} | " + " | ".join(row) + " |")
+        _per_variant_table("Python bytecodes in one training step (deterministic; the Trainer's own included)",
+                           variants, counts)
     if args.faults:
-        print("\nMinor page faults in one training step (median over rounds of each fit's median; a fault is a 4 KiB "
-              "page the kernel zeroes on first touch)\n")
-        print("| model | " + " | ".join(variants) + " |")
-        print("|---|" + "---:|" * len(variants))
-        for name, row in faults.items():
-            print(f"| {name} | " + " | ".join(row) + " |")
+        _per_variant_table("Minor page faults in one training step (median over rounds of each fit's median; a fault "
+                           "is a 4 KiB page the kernel zeroes on first touch)", variants, faults)
     for line in all_errors:
         print(f"ERROR {line}")
 
