@@ -1,6 +1,7 @@
 """torch.compile(fullgraph=True) of a block with LayerNorm and attention, through the Trainer and Fabric: it compiles
 under the plugin into as many graphs as without it (the copy hooks step aside under compile, the FP32 policy is
-dispatcher kernels that Dynamo traces through, the FP32-module hooks are traceable)."""
+dispatcher kernels that Dynamo traces through, the FP32-module hooks are traceable). Emulated 16-bit GEMMs (the default
+on CPUs without 16-bit arithmetic) compile too, and compute what they compute in eager execution."""
 
 import lightning as L
 import pytest
@@ -55,25 +56,43 @@ def graphs_in_a_fit(**precision):
     return counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.parametrize("gemm", ["native", "emulated"])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_trainer_compiles_fullgraph_into_as_many_graphs_as_lightnings_own_plugin(precision):
-    # GEMM emulation is tested in eager execution only: on CPUs without fp16 arithmetic, compile with
-    # gemm="native" (CUDA's "auto" is native)
-    plugin = MixedPrecisionPlugin(precision, gemm="native")
+def test_trainer_compiles_fullgraph_into_as_many_graphs_as_lightnings_own_plugin(precision, gemm):
+    # gemm="emulated" is what "auto" picks on a CPU without that 16-bit arithmetic (every fp16 run on a CPU here)
+    plugin = MixedPrecisionPlugin(precision, gemm=gemm)
     assert graphs_in_a_fit(plugins=[plugin]) == graphs_in_a_fit(precision="bf16-mixed") == 1
 
 
-def test_fabric_compiles_fullgraph_into_as_many_graphs_as_without_the_plugin():
-    def graphs(plugins):
-        dynamo.reset()
-        counters.clear()
-        fabric = Fabric(accelerator="cpu", devices=1, plugins=plugins)
-        block = Block()
-        model, opt = fabric.setup(torch.compile(block, fullgraph=True, backend="eager"), torch.optim.SGD(block.parameters(), lr=0.01))
-        for (x,) in data():
-            fabric.backward(model(x).float().pow(2).mean())
-            opt.step()
-            opt.zero_grad()
-        return counters["stats"]["unique_graphs"]
+def fabric_losses(plugins, compile_backend=None):
+    """Four Fabric steps of the attention block; the losses and how many graphs Dynamo compiled."""
+    dynamo.reset()
+    counters.clear()
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=plugins)
+    block = Block()
+    net = block if compile_backend is None else torch.compile(block, fullgraph=True, backend=compile_backend)
+    model, opt = fabric.setup(net, torch.optim.SGD(block.parameters(), lr=0.01))
+    losses = []
+    for (x,) in data():
+        loss = model(x).float().pow(2).mean()
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, counters["stats"]["unique_graphs"]
 
-    assert graphs([FabricPlugin("bf16")]) == graphs([]) == 1
+
+@pytest.mark.parametrize("gemm", ["native", "emulated"])
+def test_fabric_compiles_fullgraph_into_as_many_graphs_as_without_the_plugin(gemm):
+    assert fabric_losses([FabricPlugin("bf16", gemm=gemm)], "eager")[1] == fabric_losses([], "eager")[1] == 1
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_compiled_emulated_gemms_compute_what_eager_emulation_computes(precision):
+    # Dynamo (fake tensors) and AOTAutograd (functional tensors, the joint forward-backward graph) trace the emulated
+    # kernels: the graph holds the upcast, the FP32 GEMM and the rounding, so the losses are eager emulation's, bit for
+    # bit, and not the native 16-bit kernels' (which accumulate in another order: 1 ulp apart on some elements)
+    eager, _ = fabric_losses([FabricPlugin(precision, gemm="emulated")])
+    compiled, graphs = fabric_losses([FabricPlugin(precision, gemm="emulated")], "aot_eager")
+    assert graphs == 1
+    assert compiled == eager

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import subprocess
+import sys
 import threading
 import warnings
 
@@ -570,3 +572,25 @@ def test_an_op_without_a_derivative_refuses_tensors_that_require_grad_as_torch_d
             assert torch.equal(torch._addmm_activation(b, a, b), torch.relu(torch.addmm(b, a, b)))
     finally:
         run.remove()
+
+
+def test_registering_the_kernels_prints_nothing_to_the_user():
+    # torch warns once per process when a kernel replaces one of its own ("Overriding a previously registered
+    # kernel ... registered at .../emulation.py"): every user of an emulated run saw it. A fresh process, so that
+    # the warning has not been used up by an earlier test.
+    code = (
+        "import warnings, torch\n"
+        "warnings.simplefilter('error')\n"
+        "from lightning_mp.gemm.emulation import GemmEmulation\n"
+        "run = GemmEmulation('emulated')\n"
+        "run.setup('cpu', torch.bfloat16)\n"
+        "with run.context():\n"
+        "    x = torch.randn(4, 4, dtype=torch.bfloat16, requires_grad=True)\n"
+        "    (x @ x).float().sum().backward()\n"
+        "run.remove()\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+    assert "Overrid" not in done.stderr and "Warning" not in done.stderr, done.stderr

@@ -24,8 +24,13 @@ key.
 Whether to emulate is decided per (device type, dtype): bf16 and fp16 differ on the same CPU.
 The verdict per (device type, dtype) comes from :mod:`lightning_mp.gemm.support`.
 
+``torch.compile`` traces the kernels: Dynamo and AOTAutograd run them on fake and functional tensors, and the graph
+they build holds the upcast, the FP32 GEMM and the rounding (see :func:`_emulate`), so compiled code computes what
+eager emulation computes with no Python call per GEMM. Inductor may then fuse a rounding into the next op and keep
+its FP32 value (its ``emulate_precision_casts`` is off by default), as it does for native 16-bit code.
+
 Not covered: in-place and ``out=`` variants (``addmm_``, ``torch.mm(..., out=)``) run natively; fused kernels
-called from inside other handlers are not seen; the mode is for eager execution, not ``torch.compile``.
+called from inside other handlers are not seen; the mode (inference mode only) is for eager execution.
 """
 
 from __future__ import annotations
@@ -33,12 +38,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_mp.gemm.staging import _Staging
@@ -86,10 +92,24 @@ def _composite(func) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 
 
+def _upcast(x: Tensor) -> Tensor:
+    return x.to(torch.float32)
+
+
 def _emulate(func, dtype: torch.dtype, args: tuple, kwargs: dict, staging: _Staging, below: bool = False):
     """``func`` in FP32 on the ``dtype`` operands, its results rounded (nearest-even) back to ``dtype``; ``below``:
-    called from the ADInplaceOrView kernel, so the FP32 call goes on below that key."""
-    take = staging.take  # a few microseconds of Python per op in all: the GEMMs of a small model take tens
+    called from the ADInplaceOrView kernel, so the FP32 call goes on below that key.
+
+    Operands of a tensor subclass are upcast with plain ``.to`` instead of through ``staging``: ``torch.compile``
+    traces this function with fake and functional tensors (Dynamo to learn each op's output, AOTAutograd to build the
+    forward and backward graphs), which have no memory to remember or reuse. The traced graph then holds the same
+    upcast, FP32 GEMM and rounding as eager emulation, which inductor fuses and the compiled code runs without Python.
+    The same path serves any other subclass that reaches this key (a ``DTensor`` operand)."""
+    for a in args:  # a loop, not all(<generator>): this runs for every emulated GEMM
+        if isinstance(a, Tensor) and type(a) is not Tensor and type(a) is not nn.Parameter:
+            staging = None
+            break
+    take = _upcast if staging is None else staging.take  # a few us of Python per op in all: GEMMs take tens
     args = [take(a) if isinstance(a, Tensor) and a.dtype == dtype else a for a in args]
     if kwargs:
         kwargs = {k: take(v) if isinstance(v, Tensor) and v.dtype == dtype else v for k, v in kwargs.items()}
@@ -103,7 +123,8 @@ def _emulate(func, dtype: torch.dtype, args: tuple, kwargs: dict, staging: _Stag
             o.to(dtype) if isinstance(o, Tensor) and o.dtype == torch.float32 and i not in keep else o
             for i, o in enumerate(out)
         )
-    staging.done(result)
+    if staging is not None:
+        staging.done(result)
     return result
 
 
@@ -198,10 +219,14 @@ def _hold_kernels(delta: int) -> None:
         _KERNELS[0] += delta
         if _KERNELS[0] == 1 and _KERNELS[1] is None:
             lib = torch.library.Library("aten", "IMPL")
-            for op in EMULATED_OPS:
-                overload = "" if op._overloadname == "default" else f".{op._overloadname}"
-                key = "Autograd" if op in _NO_DERIVATIVE else "ADInplaceOrView"
-                lib.impl(op._schema.name.split("::")[1] + overload, _kernel(op), key)
+            with warnings.catch_warnings():
+                # torch warns (once per process, to every user) that these replace its own kernels at those keys:
+                # the replacement is the point, and _destroy() below restores torch's kernels
+                warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
+                for op in EMULATED_OPS:
+                    overload = "" if op._overloadname == "default" else f".{op._overloadname}"
+                    key = "Autograd" if op in _NO_DERIVATIVE else "ADInplaceOrView"
+                    lib.impl(op._schema.name.split("::")[1] + overload, _kernel(op), key)
             _KERNELS[1] = lib
         elif _KERNELS[0] == 0 and _KERNELS[1] is not None:
             _KERNELS[1]._destroy()
