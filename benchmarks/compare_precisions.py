@@ -146,7 +146,7 @@ def default_runs() -> tuple[list[str], list[str]]:
     """Every run, less Lightning's own rows whose format is slow here; and a line for each row left out."""
     import torch
 
-    from lightning_mp.gemm.emulation import gemm_support
+    from lightning_mp.gemm.support import gemm_support
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     runs, left_out = [], []
@@ -165,7 +165,7 @@ def default_runs() -> tuple[list[str], list[str]]:
 
 
 def cpu_label() -> str:
-    from lightning_mp.gemm.emulation import cpu_capability
+    from lightning_mp.gemm.support import cpu_capability
 
     return f"CPU capability {cpu_capability()}"
 

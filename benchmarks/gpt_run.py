@@ -251,7 +251,7 @@ def peak_memory(device: torch.device) -> tuple[int | None, str]:
 
 def plugin_settings(plugin: Precision) -> dict[str, Any]:
     if isinstance(plugin, MixedPrecisionPlugin):
-        s = plugin.scaler
+        s = plugin.core.scaler
         return {
             "class": "lightning_mp.MixedPrecisionPlugin",
             "precision": plugin.format.name,

@@ -16,6 +16,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_mp import GradientRangeMonitor, LossScaleMonitor, MixedPrecisionPlugin
 from lightning_mp.demos import GPT, StdlibTextDataModule
+from lightning_mp.demos.progress import progress_bar_callbacks
 
 
 class TrainGPT(LightningCLI):
@@ -41,7 +42,10 @@ class TrainGPT(LightningCLI):
         logger = self.config_init.trainer.get("logger")
         if logger is None or logger is True:
             logger = TensorBoardLogger("runs/gpt", name=plugin.format.name)
-        return super().instantiate_trainer(plugins=plugins, logger=logger, **kwargs)
+        # a bar that counts the 800 steps (Lightning's default one reads "Epoch 0/-2" in a max_steps run)
+        callbacks = progress_bar_callbacks(self.config_init.trainer.get("callbacks") or [],
+                                           self.config_init.trainer.get("enable_progress_bar"))
+        return super().instantiate_trainer(plugins=plugins, logger=logger, callbacks=callbacks, **kwargs)
 
 
 def main(args=None):

@@ -11,7 +11,10 @@ upsampled to 16x16; the model is a ResNet-14 (width 16, BatchNorm after every co
 bf16 through ``MixedPrecisionPlugin`` (with ``LossScaleMonitor`` and ``GradientRangeMonitor``), bf16-lean (the
 same bf16 with ``master_weights="compensated"`` and bf16 optimizer state: 10 B/param of model state), then Lightning's
 own ``16-mixed`` (an explicit ``MixedPrecision("16-mixed", "cpu")``: real FP16 with a GradScaler;
-``precision="16-mixed"`` switches to bf16 on a CPU, with a warning) and ``bf16-mixed``.
+``precision="16-mixed"`` switches to bf16 on a CPU, with a warning) and ``bf16-mixed``. Lightning's two rows run by
+default only where the CPU has that format's arithmetic (:func:`lightning_mp.gemm.support.gemm_support`): it has no
+GEMM emulation, so elsewhere a row takes 15-50x the FP32 time. One line says which rows were skipped and why; a
+row named in ``--runs`` always runs.
 
 Every row trains on each of ``--seeds`` (default 3: seeds 0, 1, 2; a seed sets the initialisation, the batch order
 and the augmentation), every other seed in reverse row order. Accuracy and loss are given as the mean and the
@@ -60,8 +63,10 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_mp import GradientRangeMonitor, LossScaleMonitor, MixedPrecisionPlugin
 from lightning_mp.demos import DigitsDataModule, ResNet
 from lightning_mp.demos.seeds import SeedSpread, compare, seed_list
+from lightning_mp.gemm.support import gemm_support
 
 RUNS = ("fp32", "fp16", "bf16", "bf16-lean", "native-16-mixed", "native-bf16-mixed")
+NATIVE_DTYPES = {"native-16-mixed": torch.float16, "native-bf16-mixed": torch.bfloat16}  # Lightning's own rows
 # bf16-lean: bf16 parameters with exact int16 remainders and bf16 Adam moments (docs/behaviour.md, "Lean bf16")
 LEAN = {"master_weights": "compensated", "optimizer_state_dtype": torch.bfloat16}
 BASELINE = "fp32"
@@ -124,14 +129,36 @@ def peak_rss() -> Optional[int]:
     return hwm * 1024 if hwm is not None else _maxrss()
 
 
-def cpu_has_fp16_math() -> bool:
-    """Without it torch's FP16 convolutions fall back to ``aten::_slow_conv2d``: on an AVX512 CPU with native bf16
-    and no FP16, a step of this ResNet took ~50x as long as in FP32, 90% of it in that kernel's backward.
-    MixedPrecisionPlugin("fp16") computes them as FP32 convolutions there (``gemm="auto"``); Lightning cannot."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+def slow_native_rows(runs: list[str]) -> dict[str, str]:
+    """Lightning's own rows in ``runs`` whose 16-bit format this CPU has no native arithmetic for, each with the
+    verdict of :func:`lightning_mp.gemm.support.gemm_support`. Lightning's plugin has no emulation, so such a row
+    runs torch's scalar 16-bit kernels: FP16 convolutions fall back to ``aten::_slow_conv2d`` (an AVX512 CPU with
+    native bf16 and no FP16: a step ~50x as long as in FP32, 90% of it in that kernel's backward), and bf16 on an
+    AVX2 CPU took ~20x FP32 (one row past 10 minutes). Ours computes them as FP32 GEMMs there (``gemm="auto"``)."""
+    slow = {}
+    for name in runs:
+        dtype = NATIVE_DTYPES.get(name)
+        if dtype is not None:
+            support = gemm_support("cpu", dtype)
+            if not support.native:
+                slow[name] = support.reason
+    return slow
+
+
+def rows_to_run(requested: Optional[list[str]]) -> tuple[list[str], dict[str, str]]:
+    """The rows in order and those left out with why: every row by default, less :func:`slow_native_rows`; rows
+    named in ``--runs`` always run."""
+    if requested:
+        return list(requested), {}
+    skip = slow_native_rows(list(RUNS))
+    return [name for name in RUNS if name not in skip], skip
+
+
+def skip_line(skip: dict[str, str]) -> str:
+    """One line: which rows are left out, why, and how to run them anyway."""
+    why = "; ".join(f"{name}: {reason}" for name, reason in skip.items())
+    return (f"skipping {', '.join(skip)} (Lightning's own plugin has no GEMM emulation: such a row takes 15-50x "
+            f"the FP32 time) because {why}. HINT: name a row in --runs to run it anyway, e.g. --runs {' '.join(RUNS)}")
 
 
 def make_plugin(name: str) -> Any:
@@ -303,8 +330,8 @@ def difference_lines(rows: list[dict[str, Any]]) -> list[str]:
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", choices=RUNS, metavar="NAME",
-                        help=f"rows, in order (default: {', '.join(RUNS)}; native-16-mixed only where the CPU has "
-                             "FP16 arithmetic)")  # fmt: skip
+                        help=f"rows, in order (default: {', '.join(RUNS)}; Lightning's native-* rows only where the CPU "
+                             "has that format's arithmetic)")  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=60, help="training steps per row (default 60, 20 epochs)")
     parser.add_argument("--batch-size", type=int, default=512, help="images per step (default 512)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[DEFAULT_SEEDS], metavar="S",
@@ -336,12 +363,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     start = time.perf_counter()
     runs = args.runs or list(RUNS)
-    # our fp16 emulates its GEMMs and convolutions where the CPU has no FP16 arithmetic (gemm="auto"); Lightning's not
-    skip = set() if args.runs or cpu_has_fp16_math() else {"native-16-mixed"}
+    names, skip = rows_to_run(args.runs)
     if skip:
-        print(f"skipping {', '.join(sorted(skip))}: this CPU has no FP16 arithmetic, so its FP16 convolutions run "
-              "~50x slower than FP32; name it in --runs to run it anyway", flush=True)  # fmt: skip
-    names = [name for name in runs if name not in skip]
+        print(skip_line(skip), flush=True)
     # every other (repeat, seed) pass runs the rows in reverse, so no row always follows the same one
     passes = [(rep, seed) for rep in range(args.repeats) for seed in args.seeds]
     plan = [(rep, seed, name) for k, (rep, seed) in enumerate(passes) for name in (names[::-1] if k % 2 else names)]
@@ -359,7 +383,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{where}: {status}{acc}{left}", flush=True)
         results.append({**(summary or {}), "precision": name, "seed": seed, "status": status})
     rows = aggregate(results, names) + [
-        {"precision": name, "status": "skipped: no fp16 math on this CPU"} for name in runs if name in skip
+        {"precision": name, "status": "skipped: not native on this CPU"} for name in runs if name in skip
     ]
     rows.sort(key=lambda r: runs.index(r["precision"]))
     ok = [r for r in rows if r["status"] == "ok"]

@@ -32,6 +32,9 @@ def check_number(name: str, value: Any, low: float, low_open: bool = False, high
         raise ValueError(f"{name}={value!r} is not allowed: use a finite number {bound}.")
 
 
-def check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is not allowed: use True or False.")
+def check_bool(name: str, value: Any, also: tuple[str, str] | None = None) -> None:
+    """A bool, or where ``also`` is (value, what it means) that one string too."""
+    if isinstance(value, bool) or (also is not None and isinstance(value, str) and value == also[0]):
+        return
+    extra = f" or {also[0]!r} ({also[1]})" if also is not None else " or False"
+    raise ValueError(f"{name}={value!r} is not allowed: use True{', False' if also else ''}{extra}.")

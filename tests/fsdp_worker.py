@@ -161,7 +161,7 @@ def main():
     result = {"state": full, "losses": model.losses, "steps": trainer.global_step, "logged": logger.rows,
               "shard_dtypes": model.shard_dtypes, "after_fit": {str(p.dtype) for p in model.parameters()}}
     if plugin is not None:
-        result.update(scale=plugin.loss_scale, skipped=plugin.skipped_steps, scaler=plugin.scaler.state_dict())
+        result.update(scale=plugin.loss_scale, skipped=plugin.skipped_steps, scaler=plugin.core.scaler.state_dict())
     torch.save(result, os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
 
     if torch.distributed.is_initialized():

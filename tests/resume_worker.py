@@ -48,7 +48,7 @@ def main():
         model.seen_batches = torch.load(ckpt_path, weights_only=False)["global_step"]
     trainer.fit(model, regression_data(), ckpt_path=ckpt_path)
     torch.save(
-        {"state": model.state_dict(), "global_step": trainer.global_step, "scaler": plugin.scaler.state_dict()},
+        {"state": model.state_dict(), "global_step": trainer.global_step, "scaler": plugin.core.scaler.state_dict()},
         os.path.join(args.dir, "final.pt"),
     )
 

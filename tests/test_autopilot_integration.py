@@ -133,7 +133,7 @@ def _outlier_gpt(seed):
     """The demo GPT with an outlier feature: one MLP writes ~4e4 into channel 0 of the residual stream, and the
     weights that write it grow past fp16's range in training (as large LLMs' massive activations do)."""
     L.seed_everything(seed, verbose=False)
-    model = GPT(n_layer=2, n_embd=64, n_head=4, block_size=64, lr=1e-3, warmup_steps=20)
+    model = GPT(n_layer=2, n_embd=64, n_head=4, block_size=64, lr=1e-3, warmup_steps=40)
     with torch.no_grad():
         out = model.blocks[0].mlp[2]
         out.weight[0].mul_(3e5)

@@ -106,7 +106,7 @@ def test_state_from_another_plugin_is_refused_clearly():
     with pytest.raises(KeyError, match="scaler"):
         plugin.load_state_dict({"scale": 4.0})
     with pytest.raises(ValueError, match="saved loss scale"):
-        plugin.scaler.load_state_dict(
+        plugin.core.scaler.load_state_dict(
             {"mode": "dynamic", "scale": -1.0, "growth_tracker": 0, "hysteresis_tracker": 1, "skipped_steps": 0}
         )
 

@@ -1,5 +1,6 @@
-"""Lean bf16 numerics without a Trainer: the exact bf16 + int16 split, stochastic rounding, optimizers stepped bucket
-by bucket on rebuilt FP32 masters, the live bytes per parameter, and the parity guard."""
+"""Lean bf16 numerics without a Trainer: the exact bf16 + int16 split (ties to even, with tie bits), stochastic
+rounding, optimizers stepped bucket by bucket on rebuilt FP32 masters, the live bytes per parameter, and the parity
+guard."""
 
 import copy
 import math
@@ -26,20 +27,28 @@ def bits(x):
     return x.view(I32)
 
 
+def u8(n):
+    return torch.zeros(n, dtype=torch.uint8)
+
+
+def tie_bits(ties, n):
+    """The packed tie bits as one bool per element."""
+    return ((ties[:, None].to(I32) >> torch.arange(8)) & 1).reshape(-1)[:n].bool()
+
+
 def check_split(x):
-    """Split, then: rebuild is x bit for bit (NaN: NaN) and hi is torch's RNE cast except at ties to an even upper
-    half, where it is one ulp further from zero (the documented exception); returns hi's int16 patterns."""
-    hi, lo = split(x)
-    ref = x.to(BF16).view(torch.int16)
-    back = rebuild(hi, lo)
+    """Split, then: rebuild is x bit for bit (NaN: NaN), hi is torch's cast (round to nearest, ties to even) and the
+    tie bit is set exactly where a tie went down to an even upper half (a NaN's is free); returns hi's patterns."""
+    hi, lo, ties = split(x)
+    back = rebuild(hi, lo, ties)
     nan = x.isnan()
     assert torch.equal(bits(back)[~nan], bits(x)[~nan])
     assert back[nan].isnan().all() and hi[nan].isnan().all()
+    got = hi.view(torch.int16)
+    assert torch.equal(got[~nan], x.to(BF16).view(torch.int16)[~nan])
     upper, lower = (bits(x) >> 16) & 0xFFFF, bits(x) & 0xFFFF
     even_tie = (lower == 0x8000) & (upper % 2 == 0) & ~nan
-    got = hi.view(torch.int16)
-    assert torch.equal(got[~nan & ~even_tie], ref[~nan & ~even_tie])
-    assert torch.equal(got[even_tie], ref[even_tie] + 1)  # +1 on the pattern: away from zero, either sign
+    assert torch.equal(tie_bits(ties, x.numel())[~nan.reshape(-1)], even_tie.reshape(-1)[~nan.reshape(-1)])
     return got
 
 
@@ -57,7 +66,9 @@ def test_named_rows_keep_signs_subnormals_the_top_of_the_range_inf_and_nan():
         "+0": 0x00000000, "-0": 0x80000000, "smallest subnormal": 0x00000001, "largest subnormal": 0x007FFFFF,
         "smallest normal": 0x00800000, "largest finite": 0x7F7FFFFF, "-largest finite": 0xFF7FFFFF,
         "tie below bf16 max": 0x7F7F8000, "carry into 1.0": 0x3F7FFFFF, "-carry into -1.0": 0xBF7FFFFF,
-        "tie, even upper": 0x3F808000, "tie, odd upper": 0x3F818000, "inf": 0x7F800000, "-inf": 0xFF800000,
+        "tie, even upper": 0x3F808000, "tie, odd upper": 0x3F818000, "-tie, even upper": 0xBF808000,
+        "tie, even upper below max": 0x7F7E8000, "tie into 1.0": 0x3F7F8000, "tie below 1.0": 0x3F7E8000,
+        "tie to +0": 0x00008000, "tie to -0": 0x80008000, "inf": 0x7F800000, "-inf": 0xFF800000,
         "nan": 0x7FC00000, "nan, low payload": 0x7F800001, "-nan, top pattern": 0xFFFFFFFF,
     }
     x = from_bits(list(rows.values()))
@@ -65,20 +76,25 @@ def test_named_rows_keep_signs_subnormals_the_top_of_the_range_inf_and_nan():
     assert got["+0"] == 0x0000 and got["-0"] == 0x8000  # the sign of zero survives
     assert got["smallest subnormal"] == 0x0000 and got["largest subnormal"] == 0x0080  # rounds up to the normal
     assert got["largest finite"] == 0x7F80 and got["-largest finite"] == 0xFF80  # inf, as torch's cast
-    assert got["tie below bf16 max"] == 0x7F80
+    assert got["tie below bf16 max"] == 0x7F80 and got["tie, even upper below max"] == 0x7F7E  # odd 0x7F7F is max
     assert got["carry into 1.0"] == 0x3F80 and got["-carry into -1.0"] == 0xBF80  # into the next binade
-    assert got["tie, even upper"] == 0x3F81 and got["tie, odd upper"] == 0x3F82  # ties away from zero
+    assert got["tie, even upper"] == 0x3F80 and got["tie, odd upper"] == 0x3F82  # ties to even
+    assert got["-tie, even upper"] == 0xBF80  # to even on the magnitude: the sign does not matter
+    assert got["tie into 1.0"] == 0x3F80 and got["tie below 1.0"] == 0x3F7E  # across the binade edge and below it
+    assert got["tie to +0"] == 0x0000 and got["tie to -0"] == 0x8000  # a subnormal tie goes to a signed zero
     assert got["inf"] == 0x7F80 and got["-inf"] == 0xFF80
 
 
 def test_split_into_preallocated_tensors_and_rebuild_into_out():
     x = torch.randn(3, 5) * 1e3
-    hi, lo = torch.empty(3, 5, dtype=BF16), torch.empty(3, 5, dtype=torch.int16)
+    x.view(I32)[0, :3] = (x.view(I32)[0, :3] & ~0x1FFFF) | 0x8000  # ties to an even upper half: tie bits 0 to 2
+    hi, lo, ties = torch.empty(3, 5, dtype=BF16), torch.empty(3, 5, dtype=torch.int16), u8(2)
     out = torch.empty(3, 5)
-    assert split_(x, hi, lo)[0] is hi and rebuild(hi, lo, out=out) is out
-    assert torch.equal(bits(out), bits(x))
+    assert split_(x, hi, lo, ties)[0] is hi and rebuild(hi, lo, ties, out=out) is out
+    assert torch.equal(bits(out), bits(x)) and torch.equal(hi, x.to(BF16)) and ties.tolist() == [0b111, 0]
     transposed = torch.empty(5, 3).t()  # a strided out is written in place
-    assert torch.equal(bits(rebuild(hi, lo, out=transposed)), bits(x))
+    assert torch.equal(bits(rebuild(hi, lo, ties, out=transposed)), bits(x))
+    assert torch.equal(bits(rebuild(*split(x.t()))), bits(x.t()))  # a strided x: the tie bits follow its elements
     scalar = torch.tensor(0.1)
     assert torch.equal(bits(rebuild(*split(scalar))), bits(scalar))
 
@@ -87,8 +103,10 @@ def test_split_into_preallocated_tensors_and_rebuild_into_out():
     "call, name",
     [
         (lambda: split(torch.zeros(2, dtype=torch.float16)), "x"),
-        (lambda: rebuild(torch.zeros(2, dtype=BF16), torch.zeros(2, dtype=torch.int32)), "lo"),
-        (lambda: split_(torch.zeros(2), torch.zeros(3, dtype=BF16), torch.zeros(2, dtype=torch.int16)), "shapes"),
+        (lambda: rebuild(torch.zeros(2, dtype=BF16), torch.zeros(2, dtype=torch.int32), u8(1)), "lo"),
+        (lambda: rebuild(torch.zeros(9, dtype=BF16), torch.zeros(9, dtype=torch.int16), u8(1)), "ties"),  # 2 bytes
+        (lambda: split_(torch.zeros(2), torch.zeros(3, dtype=BF16), torch.zeros(2, dtype=torch.int16), u8(1)),
+         "shapes"),
         (lambda: stochastic_round_(torch.zeros(2), torch.zeros(2)), "out"),
         (lambda: stochastic_round_(torch.zeros(2), torch.zeros(1, 2, dtype=BF16)), "shapes"),
     ],
@@ -99,14 +117,14 @@ def test_wrong_dtypes_and_shapes_are_refused_naming_the_argument(call, name):
 
 
 def test_50_sgd_steps_of_1e_4_are_kept_by_the_remainder_and_lost_by_bf16_and_by_a_bf16_kahan_term():
-    hi, lo = split(torch.ones(1))
+    hi, lo, ties = split(torch.ones(1))
     fp32, pure = torch.ones(1), torch.ones(1, dtype=BF16)
     w, c = torch.ones(1, dtype=BF16), torch.zeros(1, dtype=BF16)  # classic Kahan, compensation kept in bf16
     kahan_err = {}
     for n in range(1, 5001):
         if n <= 50:
-            master = rebuild(hi, lo) - 1e-4
-            split_(master, hi, lo)
+            master = rebuild(hi, lo, ties) - 1e-4
+            split_(master, hi, lo, ties)
             fp32 -= 1e-4
             pure -= 1e-4
         y = (torch.tensor(-1e-4) - c.float()).to(BF16)
@@ -115,8 +133,8 @@ def test_50_sgd_steps_of_1e_4_are_kept_by_the_remainder_and_lost_by_bf16_and_by_
         w = t
         if n in (50, 5000):
             kahan_err[n] = abs((w.float() - c.float()).item() - (1 - n * 1e-4))
-    assert torch.equal(bits(rebuild(hi, lo)), bits(fp32))
-    assert abs(rebuild(hi, lo).item() - 0.995) < 2e-6
+    assert torch.equal(bits(rebuild(hi, lo, ties)), bits(fp32))
+    assert abs(rebuild(hi, lo, ties).item() - 0.995) < 2e-6
     assert pure.item() == 1.0
     assert kahan_err[50] == pytest.approx(1.8e-5, rel=0.05) and kahan_err[5000] == pytest.approx(2.8e-3, rel=0.05)
 
@@ -127,18 +145,18 @@ def test_30_adam_steps_through_split_and_rebuild_equal_plain_fp32_bitwise():
     lean = copy.deepcopy(ref)
     grads = [[torch.randn_like(p) for p in ref.parameters()] for _ in range(30)]
     opt_ref, opt_lean = torch.optim.Adam(ref.parameters(), lr=1e-3), torch.optim.Adam(lean.parameters(), lr=1e-3)
-    pairs = [split(p.detach()) for p in lean.parameters()]
+    triples = [split(p.detach()) for p in lean.parameters()]
     for gs in grads:
-        for p, q, g, (hi, lo) in zip(ref.parameters(), lean.parameters(), gs, pairs):
+        for p, q, g, (hi, lo, ties) in zip(ref.parameters(), lean.parameters(), gs, triples):
             p.grad, q.grad = g, g.clone()
-            rebuild(hi, lo, out=q.data)
+            rebuild(hi, lo, ties, out=q.data)
         opt_ref.step()
         opt_lean.step()
-        for q, (hi, lo) in zip(lean.parameters(), pairs):
-            split_(q.data, hi, lo)
-            q.data.fill_(float("nan"))  # only the pair carries the value between steps
-    for p, (hi, lo) in zip(ref.parameters(), pairs):
-        assert torch.equal(bits(rebuild(hi, lo)), bits(p.detach()))
+        for q, (hi, lo, ties) in zip(lean.parameters(), triples):
+            split_(q.data, hi, lo, ties)
+            q.data.fill_(float("nan"))  # only the triple carries the value between steps
+    for p, (hi, lo, ties) in zip(ref.parameters(), triples):
+        assert torch.equal(bits(rebuild(hi, lo, ties)), bits(p.detach()))
 
 
 def test_stochastic_rounding_is_unbiased_and_keeps_representable_and_special_values():
@@ -195,9 +213,34 @@ def test_bucketed_steps_on_rebuilt_masters_equal_plain_fp32_bitwise(name):
     assert seen[:4] == [768, 24, 200, 16] and len(seen) == 20 * 4  # a bucket at a time, never the whole model
     for p, q in zip(ref.parameters(), params):
         assert torch.equal(bits(lean_step.master(q)), bits(p.detach()))
-        m = lean_step.master(q)
-        assert ((q.float() - m).abs() <= (m.to(BF16).float() - m).abs()).all()  # the model reads a nearest bf16
+        assert torch.equal(q.detach(), lean_step.master(q).to(BF16))  # the model reads torch's cast of the master
         assert all(v.dtype == torch.float32 for k, v in opt.state[q].items() if k != "step")
+
+
+def test_masters_landing_on_ties_read_as_torch_rounds_them_and_rebuild_exactly_in_padded_buckets():
+    # sizes that are no multiple of 8 (each parameter's span is padded to whole tie-bit bytes), over three buckets; an
+    # SGD step of lr 1 with the FP32 gradient m - t (exact: m and t lie in [1, 2)) lands every master m on its target
+    # t, a tie, to an even upper half at even positions and to an odd one at odd positions
+    g = torch.Generator().manual_seed(0)
+    masters = [1 + torch.rand(shape, generator=g) for shape in [(5,), (3, 7), (8,), (2, 2)]]
+    params = [nn.Parameter(m.clone()) for m in masters]
+    lean = CompensatedStep(params, bucket_bytes=4 * 16)  # [5 (+3)], [21 (+3)], [8, 4 (+4)]
+    for p, m in zip(params, masters):
+        assert torch.equal(bits(lean.master(p)), bits(m)) and torch.equal(p.detach(), m.to(BF16))
+    targets = []
+    for m in masters:
+        odd = (torch.arange(m.numel()).view(m.shape) % 2).to(I32) << 16
+        targets.append(((bits(m) & ~0x1FFFF) | 0x8000 | odd).view(torch.float32))
+    opt = torch.optim.SGD(params, lr=1.0)
+    for p, m, t in zip(params, masters, targets):
+        p.grad_dtype = None  # an FP32 gradient on a bf16 Parameter, as lean bf16 makes them to accumulate and clip
+        p.grad = m - t
+    lean.step(opt)
+    for p, t in zip(params, targets):
+        assert torch.equal(bits(lean.master(p)), bits(t))
+        assert torch.equal(p.detach(), t.to(BF16))  # ties to even, where rounding half away would go up half the time
+        assert torch.equal(tie_bits(lean.ties[p], t.numel()), (bits(t) >> 16 & 1 == 0).reshape(-1))
+        assert p.grad.dtype == torch.float32 and p.dtype == BF16
 
 
 def test_parameters_without_grad_stay_and_unowned_parameters_are_still_stepped():
@@ -224,7 +267,8 @@ def live_bytes_per_param(params, lean, opt):
     """Storage bytes of distinct storages of parameters, remainders, gradients and per-element optimizer state, per
     parameter; and the step counters' bytes separately (a few bytes per tensor, not per element)."""
     storages, counters = {}, 0
-    tensors = [p.data for p in params] + list(lean.remainders.values()) + [p.grad for p in params]
+    tensors = [p.data for p in params] + list(lean.remainders.values()) + list(lean.ties.values())
+    tensors += [p.grad for p in params]
     for p in params:
         for k, v in opt.state[p].items():
             if k == "step":
@@ -237,7 +281,7 @@ def live_bytes_per_param(params, lean, opt):
     return sum(storages.values()) / n, counters
 
 
-@pytest.mark.parametrize("state_dtype, budget", [(torch.float32, 14.0), (BF16, 10.0)])
+@pytest.mark.parametrize("state_dtype, budget", [(torch.float32, 14.125), (BF16, 10.125)])  # + 1 tie bit
 def test_live_bytes_per_parameter_with_adamw(state_dtype, budget):
     model, grads = model_and_grads(3)
     params = list(model.parameters())
@@ -309,6 +353,7 @@ def test_optimizer_state_loaded_onto_bf16_parameters_is_stepped_in_fp32_again():
     opt_b, lean_b = torch.optim.AdamW(pb, lr=1e-3), CompensatedStep(pb)
     for p, q in zip(pa, pb):
         lean_b.remainders[q].copy_(lean_a.remainders[p])
+        lean_b.ties[q].copy_(lean_a.ties[p])
     opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # as from a file; torch casts the moments to bf16
     assert opt_b.state[pb[0]]["exp_avg"].dtype == BF16
     for gs in grads[1:]:

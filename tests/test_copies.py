@@ -1,4 +1,5 @@
-"""The fold's C-level path, FP32 modules that need no hooks, batch norm's argument check, the per-thread GEMM staging."""
+"""The fold's C-level path, which copies a live graph holds, FP32 modules that need no hooks, batch norm's argument
+check, the per-thread GEMM staging."""
 
 import threading
 
@@ -7,6 +8,7 @@ import torch
 from torch import nn
 
 from lightning_mp.gemm.staging import _Staging
+from lightning_mp.numerics.copies import flat_views, held, in_a_graph, none_held
 from lightning_mp.numerics.master_weights import MasterWeights
 from lightning_mp.policy.mode import _native_mixed_batch_norm
 from lightning_mp.policy.modules import needs_hooks
@@ -52,6 +54,23 @@ def test_a_backward_with_create_graph_folds_without_recording_a_graph():
     out.float().pow(2).sum().backward(create_graph=True)
     masters.fold_grads()
     assert model.weight.grad.dtype == torch.float32 and model.weight.grad.grad_fn is None
+
+
+def test_held_reads_the_references_a_live_graph_takes_on_a_copy():
+    # the refresh writes a copy in place only where this says no graph saved it: a canary for torch's reference
+    # counting (Tensor._use_count), on which it relies
+    weight, bias = flat_views([torch.empty(3, 4), torch.empty(3)], BF16, leaf=True)
+    weight.requires_grad_(), bias.requires_grad_()
+    frozen = torch.zeros(3, 4, dtype=BF16)
+    assert not held(weight) and not in_a_graph(weight) and none_held([weight, bias], True)
+    x = torch.randn(2, 4, dtype=BF16, requires_grad=True)
+    out = nn.functional.linear(x, weight, bias) + nn.functional.linear(x, frozen)  # saves weight.t() and frozen.t()
+    assert held(weight) and held(frozen) and not none_held([weight, bias, frozen], False)
+    assert not held(bias) and in_a_graph(bias)  # an add saves nothing, but the graph still sends it a gradient
+    out.sum().backward()  # the saved tensors go; `out` keeps the graph's nodes, and so the gradient accumulators
+    assert not held(weight) and not held(frozen) and in_a_graph(weight) and none_held([weight, bias], True)
+    del out
+    assert not in_a_graph(weight) and not in_a_graph(bias)
 
 
 @pytest.mark.parametrize("module, op", [(nn.LayerNorm(4), "layer_norm"), (nn.GroupNorm(2, 4), "group_norm"),

@@ -304,3 +304,126 @@ def test_the_harnesses_load_and_report_no_rss_where_resource_is_missing(monkeypa
     resnet = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(resnet)
     assert resnet._maxrss() is None
+
+
+# ------------------------------------------------------------------------------ the main job's progress bar
+def test_the_main_jobs_bar_counts_its_steps_not_epoch_minus_two(tmp_path, monkeypatch):
+    """A max_steps run has max_epochs=-1: Lightning's bar read "Epoch 0/-2" and counted to the epoch's end, which
+    the run never reaches. The example's bar counts to max_steps under an "Epoch 0" title."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    from lightning_mp.demos.progress import StepProgressBar
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train_gpt.py"])
+    bar_on = list(TINY)
+    bar_on[bar_on.index("--trainer.enable_progress_bar") + 1] = "true"
+    bar_on += ["--data.max_bytes", "65536"]  # an epoch of 57 batches of 4 x 32 bytes; the run stops after 3
+    cli = _load("train_gpt").main(bar_on)
+    trainer = cli.trainer
+    assert trainer.max_epochs == -1 and trainer.num_training_batches > 3  # the case Lightning's bar got wrong
+    bar = trainer.progress_bar_callback
+    assert isinstance(bar, StepProgressBar) and not isinstance(bar, RichProgressBar)
+    assert isinstance(bar, TQDMProgressBar)
+    tqdm_bar = bar.train_progress_bar
+    assert (tqdm_bar.n, tqdm_bar.total) == (3, 3) and tqdm_bar.desc.startswith("Epoch 0")
+    assert "/-" not in tqdm_bar.desc
+
+
+def test_the_step_bar_total_is_what_max_steps_leaves_of_the_epoch():
+    from types import SimpleNamespace
+
+    from lightning_mp.demos.progress import batches_this_epoch, epoch_title, progress_bar_callbacks, StepProgressBar
+
+    def trainer(max_steps=800, global_step=0, accumulate=1, epoch=0, max_epochs=-1):
+        return SimpleNamespace(max_steps=max_steps, global_step=global_step, accumulate_grad_batches=accumulate,
+                               current_epoch=epoch, max_epochs=max_epochs)  # fmt: skip
+
+    assert batches_this_epoch(trainer(), 1844) == 800  # the main job: 800 steps of a 1,844-batch epoch
+    assert batches_this_epoch(trainer(max_steps=2000, global_step=1844, epoch=1), 1844) == 156  # the last epoch
+    assert batches_this_epoch(trainer(max_steps=3000, global_step=0), 1844) == 1844  # a whole epoch
+    assert batches_this_epoch(trainer(accumulate=4), 1844) == 1844 and batches_this_epoch(trainer(accumulate=2), 2000) == 1600
+    assert batches_this_epoch(trainer(max_steps=-1), 1844) == 1844  # no step limit: the epoch's own
+    assert batches_this_epoch(trainer(), float("inf")) == 800  # an iterable without a length
+    assert epoch_title(trainer()) == "Epoch 0" and epoch_title(trainer(epoch=2, max_epochs=5)) == "Epoch 2/4"
+    assert epoch_title(trainer(max_epochs=None)) == "Epoch 0"
+    # a bar is added only where Lightning accepts one
+    assert progress_bar_callbacks([], False) == []
+    (added,) = progress_bar_callbacks([], None)
+    assert isinstance(added, StepProgressBar)
+    mine = StepProgressBar()
+    assert progress_bar_callbacks([mine], True) == [mine]
+
+
+# ---------------------------------------------------------------- train_resnet.py: which of Lightning's rows run
+def _resnet_with_support(monkeypatch, native):
+    """examples/train_resnet.py with gemm_support answering ``native`` ({dtype: bool}) for the CPU."""
+    import torch
+
+    from lightning_mp.gemm.support import GemmSupport
+
+    resnet = _load("train_resnet")
+    calls = []
+
+    def fake_support(device_type, dtype):
+        calls.append((device_type, dtype))
+        name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        return GemmSupport(device_type, dtype, native[dtype], f"{name} verdict for the test")
+
+    monkeypatch.setattr(resnet, "gemm_support", fake_support)
+    return resnet, calls
+
+
+@pytest.mark.parametrize(
+    "bf16, fp16, skipped",
+    [
+        (False, False, ["native-16-mixed", "native-bf16-mixed"]),  # AVX2: no 16-bit arithmetic
+        (True, False, ["native-16-mixed"]),  # AVX512 with bf16 (this project's reference CPU)
+        (True, True, []),  # AMX-FP16, or a GPU-less ARM with fast fp16 kernels
+    ],
+)
+def test_resnet_runs_lightnings_rows_only_where_the_cpu_has_their_arithmetic(monkeypatch, bf16, fp16, skipped):
+    import torch
+
+    resnet, calls = _resnet_with_support(monkeypatch, {torch.bfloat16: bf16, torch.float16: fp16})
+    names, skip = resnet.rows_to_run(None)
+    assert list(skip) == skipped and names == [r for r in resnet.RUNS if r not in skipped]
+    assert {"fp32", "fp16", "bf16", "bf16-lean"} <= set(names)  # ours emulate: they always run
+    assert set(calls) == {("cpu", torch.float16), ("cpu", torch.bfloat16)}
+    if skipped:
+        line = resnet.skip_line(skip)
+        assert "\n" not in line and line.startswith(f"skipping {', '.join(skipped)} ")
+        reasons = {"native-16-mixed": "fp16 verdict for the test", "native-bf16-mixed": "bf16 verdict for the test"}
+        assert all(f"{name}: {reasons[name]}" in line for name in skipped)
+        assert "HINT: name a row in --runs" in line
+
+
+def test_resnet_rows_named_in_runs_run_even_where_they_are_slow(monkeypatch):
+    import torch
+
+    resnet, calls = _resnet_with_support(monkeypatch, {torch.bfloat16: False, torch.float16: False})
+    assert resnet.rows_to_run(["fp32", "native-bf16-mixed"]) == (["fp32", "native-bf16-mixed"], {})
+    assert calls == []  # no verdict needed
+
+
+def test_resnet_default_table_says_once_which_rows_it_skipped(monkeypatch, tmp_path, capsys):
+    """The whole default command with the training stubbed out: the skip line, the plan, the skipped rows' status."""
+    import torch
+
+    resnet, _ = _resnet_with_support(monkeypatch, {torch.bfloat16: False, torch.float16: False})
+    ran = []
+
+    def fake_row(name, seed, tag, args):
+        ran.append((seed, name))
+        return {"precision": name, "seed": seed, "val_acc": 0.9, "val_loss": 0.3, "wall_time_s": 1.0,
+                "peak_rss_mib": 100.0, "train_rss_mib": 10.0, "peak_tensor_mib": 50.0, "skipped_steps": None,
+                "loss_scale": None, "steps": 2, "batch_size": 16, "peak_kind": "test", "cpu_capability": "AVX2"}, "ok"  # fmt: skip
+
+    monkeypatch.setattr(resnet, "run_row", fake_row)
+    assert resnet.main(["--output", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("skipping native-16-mixed, native-bf16-mixed ") == 1
+    assert {name for _, name in ran} == {"fp32", "fp16", "bf16", "bf16-lean"}
+    with open(tmp_path / "results.csv") as f:
+        status = {r["precision"]: r["status"] for r in csv.DictReader(f)}
+    assert status["native-bf16-mixed"] == status["native-16-mixed"] == "skipped: not native on this CPU"

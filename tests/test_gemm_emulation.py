@@ -273,6 +273,112 @@ def test_the_mode_refuses_a_non_16_bit_dtype():
         EmulatedGemmMode(torch.float32)
 
 
+# ------------------------------------------------------------------------------------------- ResNet convolutions
+# (batch, in channels, side, out channels, kernel, stride, padding, groups, transposed, bias): the convolutions of a
+# torchvision/timm ResNet-18 at small sizes, plus a grouped and a transposed one
+RESNET_CONVS = {
+    "7x7 stride-2 stem, bias": (4, 3, 16, 16, 7, 2, 3, 1, False, True),
+    "3x3": (4, 16, 8, 16, 3, 1, 1, 1, False, False),
+    "3x3 stride 2": (4, 16, 8, 32, 3, 2, 1, 1, False, False),
+    "1x1 stride-2 downsample": (4, 16, 8, 32, 1, 2, 0, 1, False, False),
+    "3x3 stride 2 on a 1x1 map": (4, 32, 1, 64, 3, 2, 1, 1, False, False),  # ResNet-18's last stage at 16x16 images
+    "3x3 grouped, bias": (4, 16, 8, 16, 3, 1, 1, 4, False, True),
+    "3x3 stride-2 transposed, bias": (4, 16, 4, 8, 3, 2, 1, 1, True, True),
+}
+
+
+def _grid(*shape, generator):
+    """Multiples of 2^-6 in [-1, 1]: exact in bf16 and fp16, their products multiples of 2^-12, and any sum of a few
+    hundred of them exact in FP32 (22 bits) in any order. The exact result then does not depend on how a kernel orders
+    its FP32 accumulation, and one rounding of it is the correctly rounded value: what a native 16-bit kernel with FP32
+    accumulators (tensor cores, oneDNN's AVX512-BF16 and AMX kernels) returns. Results need up to 14 bits: rounding to
+    bf16 (8) and fp16 (11) is exercised."""
+    return torch.randint(-64, 65, shape, generator=generator).float() / 64
+
+
+def _resnet_conv(name, dtype, channels_last, run):
+    """Forward and backward of one convolution through autograd, as a model runs it, with every input requiring grad.
+    ``run``: a context for both, or None for float64 on the same values. Returns (out, grad_input, grad_weight,
+    grad_bias or None)."""
+    n, c_in, side, c_out, k, stride, pad, groups, transposed, bias = RESNET_CONVS[name]
+    gen = torch.Generator().manual_seed(0)
+    x = _grid(n, c_in, side, side, generator=gen)
+    w = _grid(*((c_in, c_out // groups) if transposed else (c_out, c_in // groups)), k, k, generator=gen)
+    b = _grid(c_out, generator=gen) if bias else None
+    f = (lambda x, w, b: F.conv_transpose2d(x, w, b, stride, pad, stride - 1, groups)) if transposed else (
+        lambda x, w, b: F.conv2d(x, w, b, stride, pad, 1, groups))  # fmt: skip
+    grad_out = _grid(*f(x, w, b).shape, generator=gen)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    to = torch.float64 if run is None else dtype
+    x, w, grad_out = (t.to(to).to(memory_format=fmt) for t in (x, w, grad_out))
+    leaves = [t.requires_grad_() for t in (x, w, b.to(to) if bias else None) if t is not None]
+    with run if run is not None else contextlib.nullcontext():
+        out = f(*leaves, None) if not bias else f(*leaves)
+        out.backward(grad_out)
+    return out.detach(), x.grad, w.grad, leaves[2].grad if bias else None
+
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "channels-last"])
+@pytest.mark.parametrize("name", list(RESNET_CONVS))
+@pytest.mark.parametrize("dtype", HALF)
+def test_resnet_convolutions_are_correctly_rounded_forward_and_backward(dtype, name, channels_last, how):
+    """Every output of an emulated convolution, forward, input, weight and bias gradient, is the exact result rounded
+    once: bit for bit, element by element. Against the native kernel of this machine: the forward and the bias
+    gradient within 1 ulp, and no element of any output farther from the exact value than the native kernel's.
+
+    Only that, and not 1 ulp everywhere, because torch's CPU kernel for 16-bit convolutions without 16-bit arithmetic
+    (every CPU for fp16 without AVX512-FP16; bf16 on AVX2) rounds inside: it adds each image's weight gradient into
+    a 16-bit sum, one image at a time, and sums the overlapping windows of the input gradient (col2im) in 16 bits.
+    Lightning's ``bf16-mixed`` runs that kernel on an AVX2 CPU (docs/benchmarks.md, "Emulated convolutions")."""
+    with _disable_current_modes():
+        exact = _resnet_conv(name, dtype, channels_last, None)
+        native = _resnet_conv(name, dtype, channels_last, contextlib.nullcontext())
+    recorder = Recorder()
+    with recorder:
+        emulated = _resnet_conv(name, dtype, channels_last, emulating(dtype, how))
+    assert {n for n, _ in recorder.gemms()} == {"convolution", "convolution_backward"}
+    assert all(dtypes == {torch.float32} for _, dtypes in recorder.gemms())
+    for what, e, nat, ex in zip(("out", "grad_input", "grad_weight", "grad_bias"), emulated, native, exact):
+        if ex is None:
+            continue
+        assert e.dtype == nat.dtype == dtype and e.shape == nat.shape, what
+        assert ulp_distance(e, ex.to(dtype)) == 0, what  # one rounding of an exact FP32 result
+        # no element farther from the exact value than the native kernel's (NaN-safe: torch's own bf16 kernel on
+        # AVX512-BF16 returns garbage, NaN included, for the weight gradient on a 1x1 map)
+        assert not ((e.double() - ex).abs() > (nat.double() - ex).abs()).any(), what
+        if what in ("out", "grad_bias") and "transposed" not in name:  # a transposed forward is a col2im too
+            assert ulp_distance(e, nat) <= 1, what
+
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("dtype", HALF)
+def test_a_frozen_convolution_weight_costs_no_weight_gradient(dtype, how):
+    """A frozen weight with a trainable bias (autograd's output_mask [True, False, True]): oneDNN's FP32 kernel
+    computes the weight gradient whenever the bias gradient is asked for; emulation asks it for the input gradient
+    only and sums the bias gradient itself, and returns no weight gradient, as the 16-bit kernel does."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (_grid(*shape, generator=gen).to(dtype) for shape in ((4, 16, 8, 8), (32, 16, 3, 3), (32,)))
+    grad_out = _grid(4, 32, 4, 4, generator=gen).to(dtype)
+    args = ([2, 2], [1, 1], [1, 1], False, [0, 0], 1)
+    recorder = Recorder()
+    with recorder, emulating(dtype, how):
+        grads = torch.ops.aten.convolution_backward(grad_out, x, w, [32], *args, [True, False, True])
+    assert grads[1] is None
+    exact = torch.ops.aten.convolution_backward(grad_out.double(), x.double(), w.double(), [32], *args,
+                                                [True, True, True])  # fmt: skip
+    assert all(g.dtype == dtype and ulp_distance(g, ex.to(dtype)) == 0 for g, ex in zip(grads[::2], exact[::2]))
+    # the FP32 kernel ran once, for the input gradient alone
+    assert [n for n, _ in recorder.calls if n == "convolution_backward"] == ["convolution_backward"]
+
+    x.requires_grad_()
+    conv = nn.Conv2d(16, 32, 3, stride=2, padding=1).to(dtype).requires_grad_(False)
+    conv.bias.requires_grad_()
+    with emulating(dtype, how):
+        conv(x).backward(grad_out)
+    assert conv.weight.grad is None and conv.bias.grad.dtype == dtype and x.grad.dtype == dtype
+
+
 # ------------------------------------------------------------------------------------------------ the knob
 @pytest.mark.parametrize("bad", ["AUTO", "fast", "", None, True, 1])
 def test_bad_gemm_values_name_the_argument_value_and_choices(bad):

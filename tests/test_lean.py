@@ -89,6 +89,71 @@ def test_the_parity_guard_measures_zero_drift_for_exact_masters():
     assert lean.parity == (0.0, 0.0) and DRIFT_WARNING == 2**-7
 
 
+def _backward(model, seed):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    model(x).float().pow(2).sum().backward()
+
+
+def test_a_second_micro_batch_sums_into_fp32_gradients_and_a_new_window_starts_in_bf16():
+    model, lean, _ = _converted()
+    owned = [p for p in model.parameters() if p.dtype == torch.bfloat16]
+    lean.before_backward()  # nothing to add to yet: the gradients stay absent
+    _backward(model, 0)
+    first = [p.grad.clone() for p in owned]
+    assert all(g.dtype == torch.bfloat16 for g in first)  # one backward: 2 B per element, as before
+    model.zero_grad()
+    _backward(model, 1)
+    second = [p.grad.clone() for p in owned]
+    model.zero_grad()
+    _backward(model, 0)
+    lean.before_backward()  # the front ends call it before every backward: the bf16 sum becomes FP32, exactly
+    assert all(p.grad.dtype == torch.float32 and torch.equal(p.grad, g.float()) for p, g in zip(owned, first))
+    _backward(model, 1)
+    for p, a, b in zip(owned, first, second):  # the FP32 sum of the two bf16 gradients, as FP32 masters fold them
+        assert p.dtype == torch.bfloat16 and torch.equal(p.grad, a.float() + b.float())
+    # 4 B per element until the step, which rounds the sums back to bf16 (2 B) for the time until zero_grad
+    assert sum(p.grad.untyped_storage().nbytes() for p in owned) == 4 * sum(p.numel() for p in owned)
+    sums = [p.grad.clone() for p in owned]
+    lean.step(torch.optim.SGD(owned, lr=0.0))
+    assert all(p.grad.dtype == torch.bfloat16 and torch.equal(p.grad, s.bfloat16()) for p, s in zip(owned, sums))
+    model.zero_grad()
+    lean.before_backward()
+    _backward(model, 0)  # a new window: bf16 again
+    assert all(p.grad.dtype == torch.bfloat16 and torch.equal(p.grad, g) for p, g in zip(owned, first))
+
+
+def test_clipping_upcasts_only_its_optimizers_gradients_and_the_step_reads_them():
+    model, lean, _ = _converted()
+    first, last = model[0], model[2]
+    optimizer = torch.optim.SGD(first.parameters(), lr=1.0)
+    _backward(model, 0)
+    grads = [p.grad.clone() for p in first.parameters()]
+    before = [lean.master(p) for p in first.parameters()]
+    lean.before_clipping(optimizer)
+    assert all(p.grad.dtype == torch.float32 for p in first.parameters())
+    assert all(p.grad.dtype == torch.bfloat16 for p in last.parameters())  # another optimizer's: left alone
+    torch.nn.utils.clip_grad_norm_(first.parameters(), 1e-3)  # in FP32: no bf16 rounding of the scaled values
+    clipped = [p.grad.clone() for p in first.parameters()]
+    assert all(not torch.equal(c, g.float()) for c, g in zip(clipped, grads))
+    assert all(not torch.equal(c, c.bfloat16().float()) for c in clipped)
+    lean.step(optimizer)
+    for p, m, c in zip(first.parameters(), before, clipped):
+        assert torch.equal(lean.master(p), m - c)  # SGD of lr 1 read the clipped FP32 gradient
+        assert p.grad.dtype == torch.bfloat16  # and rounded it back to bf16 after the step
+
+
+def test_gradients_stay_bf16_where_the_ranks_reduce_them(monkeypatch):
+    import lightning_mp.numerics.lean as lean_module
+
+    monkeypatch.setattr(lean_module, "_distributed", lambda: True)  # DDP's reducer copies into bf16 buckets
+    model, lean, _ = _converted()
+    _backward(model, 0)
+    lean.before_backward()
+    lean.before_clipping(torch.optim.SGD(model.parameters(), lr=1.0))
+    dtypes = [torch.bfloat16] * 2 + [torch.float32] * 2 + [torch.bfloat16] * 2  # the LayerNorm is FP32
+    assert [p.grad.dtype for p in model.parameters()] == dtypes
+
+
 def test_a_second_model_is_refused_clearly():
     model, lean, _ = _converted()
     with pytest.raises(ValueError, match=r"one model per plugin.*HINT"):

@@ -1,5 +1,6 @@
 """master_weights="compensated" in real fits, against FP32-master bf16, Lightning's bf16-true and FP32 on the same
-code: the same training bit for bit, updates below a bf16 ulp kept, FP32 checkpoints, the parity guard."""
+code: the same training bit for bit (with gradient accumulation, clipping and weights at exact ties too), updates
+below a bf16 ulp kept, FP32 checkpoints, the parity guard."""
 
 import logging
 
@@ -13,9 +14,9 @@ from lightning_mp import LossScaleMonitor, MixedPrecisionPlugin
 
 
 class Net(L.LightningModule):
-    def __init__(self, optimizer="adamw", lr=1e-3):
+    def __init__(self, optimizer="adamw", lr=1e-3, seed=0):
         super().__init__()
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         self.net = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 1))
         self.optimizer, self.lr = optimizer, lr
 
@@ -29,14 +30,15 @@ class Net(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
-def data(n=240):
-    g = torch.Generator().manual_seed(1)
+def data(n=240, seed=1):
+    g = torch.Generator().manual_seed(seed)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g)), batch_size=8)
 
 
-def fit(model, plugins=None, steps=30, **kwargs):
-    L.Trainer(max_steps=steps, plugins=plugins, accelerator="cpu", logger=kwargs.pop("logger", False),
-              enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False, **kwargs).fit(model, data())  # fmt: skip
+def fit(model, plugins=None, steps=30, seed=1, **kwargs):
+    trainer = L.Trainer(max_steps=steps, plugins=plugins, accelerator="cpu", logger=kwargs.pop("logger", False),
+                        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False, **kwargs)
+    trainer.fit(model, data(seed=seed))
     return model
 
 
@@ -46,6 +48,69 @@ def test_30_steps_give_weights_bitwise_equal_to_fp32_master_bf16(optimizer):
     lean = fit(Net(optimizer), [MixedPrecisionPlugin("bf16", master_weights="compensated")])
     for (name, a), b in zip(masters.named_parameters(), lean.parameters()):
         assert b.dtype == torch.float32 and torch.equal(a, b), name  # FP32 again after the fit, and identical
+
+
+class PreClip(L.Callback):
+    """Each step's total gradient norm and largest gradient before clipping (the hooks run first)."""
+
+    def __init__(self):
+        self.norm, self.max = [], []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        grads = [p.grad for p in pl_module.parameters()]
+        self.norm.append(torch.nn.utils.get_total_norm(grads).item())
+        self.max.append(max(g.abs().max().item() for g in grads))
+
+
+WINDOWS = {
+    "accumulate 2": dict(accumulate_grad_batches=2),
+    "clip norm 1": dict(gradient_clip_val=1.0),
+    "accumulate 2 + clip norm 1": dict(accumulate_grad_batches=2, gradient_clip_val=1.0),
+    "clip value 0.05": dict(gradient_clip_val=0.05, gradient_clip_algorithm="value"),
+}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_accumulation_and_clipping_give_weights_bitwise_equal_to_fp32_master_bf16(window, seed):
+    # the second micro-batch sums into FP32 gradients and clipping computes on FP32 ones, as over FP32 masters; each
+    # run also crosses exact ties (1 master in 2^17 per step), which the forward reads rounded to even
+    kwargs, before = WINDOWS[window], PreClip()
+    masters = fit(Net(seed=seed), [MixedPrecisionPlugin("bf16")], seed=seed, callbacks=[before], **kwargs)
+    plugin = MixedPrecisionPlugin("bf16", master_weights="compensated", parity_guard=1.0)
+    lean = fit(Net(seed=seed), [plugin], seed=seed, **kwargs)
+    for (name, a), b in zip(masters.named_parameters(), lean.parameters()):
+        assert b.dtype == torch.float32 and torch.equal(a, b), name
+    assert plugin.parity == (0.0, 0.0)  # FP32 shadows stepped with the same FP32 gradients
+    assert len(before.norm) == 30
+    if "gradient_clip_val" in kwargs:  # clipping changed the gradients of every step
+        measured = before.max if kwargs.get("gradient_clip_algorithm") == "value" else before.norm
+        assert min(measured) > kwargs["gradient_clip_val"]
+
+
+class AtTies(Net):
+    """Every weight of the first layer an exact tie between two bf16 values, to the even one at even positions."""
+
+    def __init__(self):
+        super().__init__()
+        w = self.net[0].weight.data.view(torch.int32)
+        odd = (torch.arange(w.numel()).view(w.shape) % 2).to(torch.int32) << 16
+        w.copy_((w & ~0x1FFFF) | 0x8000 | odd)
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.detach())
+        return loss
+
+
+def test_weights_at_exact_ties_read_as_fp32_master_bf16_reads_them():
+    # rounding half away from zero (no tie bit) moved half of these weights one bf16 ulp: the first loss differed
+    masters = fit(AtTies(), [MixedPrecisionPlugin("bf16")])
+    lean = fit(AtTies(), [MixedPrecisionPlugin("bf16", master_weights="compensated")])
+    assert torch.equal(torch.stack(masters.losses), torch.stack(lean.losses))
+    for (name, a), b in zip(masters.named_parameters(), lean.parameters()):
+        assert torch.equal(a, b), name
 
 
 class OneWeight(L.LightningModule):
@@ -134,7 +199,8 @@ def test_the_guard_warns_once_with_a_hint_when_the_lean_values_drift(monkeypatch
 
     class DropsRemainders(Net):
         def on_train_batch_start(self, batch, batch_idx):
-            for r in self.trainer.precision_plugin.core.lean.steps.remainders.values():
+            steps = self.trainer.precision_plugin.core.lean.steps
+            for r in [*steps.remainders.values(), *steps.ties.values()]:
                 r.zero_()
 
     with caplog.at_level(logging.WARNING, logger="lightning_mp"):
@@ -161,6 +227,28 @@ def test_fabric_trains_bitwise_as_fp32_master_bf16():
         for (x,) in list(data())[:20]:
             optimizer.zero_grad()
             fabric.backward((net(x).float() - x[:, :1].sin()).pow(2).mean())
+            optimizer.step()
+        fabric.strategy.precision.teardown()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert all(a.dtype == b.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(*weights))
+
+
+def test_fabric_accumulation_and_clipping_train_bitwise_as_fp32_master_bf16():
+    from lightning.fabric import Fabric
+
+    from lightning_mp.fabric import MixedPrecisionPlugin as FabricPlugin
+
+    weights = []
+    for kwargs in ({}, {"master_weights": "compensated"}):
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricPlugin("bf16", **kwargs)])
+        model = Net(seed=1)
+        net, optimizer = fabric.setup(model.net, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        batches = [x for (x,) in data()]
+        for micro_batches in zip(batches[0::2], batches[1::2]):  # 15 steps of 2 micro-batches
+            optimizer.zero_grad()
+            for x in micro_batches:
+                fabric.backward((net(x).float() - x[:, :1].sin()).pow(2).mean())
+            assert fabric.clip_gradients(net, optimizer, max_norm=1.0) > 1.0
             optimizer.step()
         fabric.strategy.precision.teardown()
         weights.append([p.detach().clone() for p in model.parameters()])

@@ -66,6 +66,21 @@ def test_static_scale_never_moves_but_skips_and_stops_after_bound():
         s.update(True, step=11)
 
 
+def test_the_stop_after_max_consecutive_skips_names_the_scale_the_step_used_and_then_the_backed_off_one():
+    s = LossScaler(init_scale=4096.0, max_consecutive_skips=2)
+    s.update(True, step=0)
+    with pytest.raises(FloatingPointError) as err:
+        s.update(True, step=1)
+    assert s.last_step_scale == 2048.0  # what the skip line and TensorBoard show for this step
+    assert str(err.value).startswith(
+        "Non-finite gradients at step 1 with loss scale 2048 (backed off to 1024 after it): 2 optimizer steps in a "
+        "row were skipped (max_consecutive_skips=2). HINT: "
+    )
+    static = LossScaler(1024.0, max_consecutive_skips=1)
+    with pytest.raises(FloatingPointError, match=r"^Non-finite gradients at step 5 with loss scale 1024: 1 optimizer"):
+        static.update(True, step=5)  # a scale that did not move is not said to have backed off
+
+
 def test_disabled_scaler_has_scale_one_and_does_not_touch_the_loss():
     s = LossScaler(None)
     loss = torch.tensor(0.3)
@@ -89,6 +104,29 @@ def test_static_scaler_keeps_its_own_scale_when_loading_dynamic_state():
     b = LossScaler(128.0)
     b.load_state_dict(a.state_dict())
     assert b.scale == 128.0 and b.skipped_steps == 1
+
+
+@pytest.mark.parametrize("mode", [None, 128.0, 4, "dynamic"])
+def test_every_mode_a_scaler_can_save_loads(mode):
+    saved = LossScaler(mode, init_scale=2.0**10)
+    saved.update(True)
+    loaded = LossScaler("dynamic")
+    loaded.load_state_dict(saved.state_dict())
+    assert loaded.skipped_steps == 1
+    assert loaded.scale == (2.0**9 if mode == "dynamic" else 2.0**16)  # only a dynamic saved scale is taken
+
+
+@pytest.mark.parametrize("mode", ["static", "Dynamic", "auto", -1.0, 0.0, math.inf, math.nan, True, [2.0]])
+def test_a_saved_mode_it_does_not_know_is_refused_naming_it_and_what_is_allowed(mode):
+    state = LossScaler(init_scale=2.0**10).state_dict() | {"mode": mode, "skipped_steps": 3}
+    scaler = LossScaler("dynamic")
+    with pytest.raises(ValueError) as err:
+        scaler.load_state_dict(state)
+    message = str(err.value)
+    assert f"mode={mode!r}" in message
+    assert "allowed are 'dynamic', a positive finite number (a static scale) or None (no scaling)" in message
+    assert "HINT:" in message
+    assert scaler.scale == 2.0**16 and scaler.skipped_steps == 0  # nothing half-loaded: no silent restart
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 gradients fold into the FP32 ``.grad``."""
 
 import copy
+import operator
 import pickle
 
 import pytest
@@ -77,6 +78,80 @@ def test_copies_are_the_round_to_nearest_of_the_current_master_and_follow_optimi
     masters.begin()
     fwd(lin, torch.ones(1, 3))
     assert torch.equal(got[-1], lin.weight.detach().to(BF16))
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_copy_a_live_graph_holds_is_refreshed_into_another_tensor_and_that_graph_backpropagates_as_built(force):
+    # issue 37's GAN: a graph is built, an optimizer steps its masters, the next forward refreshes the copies; the
+    # first graph's backward then reads the values it was built with (as under bf16-mixed: autocast casts a fresh
+    # tensor per forward) and its gradients still reach the FP32 .grad
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3)
+    masters = watched(lin)
+    x = torch.randn(5, 4, requires_grad=True)  # the weight is saved for the input's gradient; the bias is not saved
+    built_on = [p.detach().to(BF16) for p in (lin.weight, lin.bias)]
+    held = fwd(lin, x)
+    homes = list(masters._copies)
+    with torch.no_grad():
+        for p in lin.parameters():
+            p.add_(0.5)  # an optimizer step
+    masters.mark_stale(lin.parameters())
+    masters.begin(force)
+    later = fwd(lin, x.detach())  # the refresh, while `held` still holds the weight's copy
+    assert all(torch.equal(c, p.detach().to(BF16)) for c, p in zip(masters._copies, masters.params))
+    assert masters._copies[0] is not homes[0] and masters._copies[1] is homes[1]  # only the held one moved out
+    held.float().sum().backward()  # raised "modified by an inplace operation" while the refresh wrote in place
+    masters.fold_grads()
+
+    w, b = (t.clone().requires_grad_() for t in built_on)
+    x_ref = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=BF16):
+        nn.functional.linear(x_ref, w, b).float().sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)  # the backward computed with the values the forward used
+    assert torch.equal(lin.weight.grad, w.grad.float()) and torch.equal(lin.bias.grad, b.grad.float())
+
+    later.float().sum().backward()
+    masters.fold_grads()
+    assert torch.equal(lin.weight.grad, 2 * w.grad.float())  # both graphs' gradients, summed in FP32
+    del held, later
+    masters.begin(force=True)
+    fwd(lin, x)
+    assert all(map(torch.equal, masters._copies, [p.detach().to(BF16) for p in masters.params]))
+    assert all(map(operator.is_, masters._copies, homes)) and not masters._retired  # back in the flat buffer
+
+
+def test_a_steady_loop_refreshes_the_copies_in_place_in_their_flat_buffer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    masters = watched(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    copies = list(masters._copies)
+    versions = [c._version for c in copies]
+    for _ in range(3):
+        loss = step(model, masters, torch.randn(2, 4))  # the loop keeps `loss` (and so its graph's nodes) to the step
+        opt.step()
+        opt.zero_grad()
+        masters.mark_stale(model.parameters())
+    masters.begin(force=True)
+    fwd(model, torch.randn(2, 4))
+    assert loss.grad_fn is not None
+    assert all(map(operator.is_, masters._copies, copies)) and not masters._retired  # no tensor allocated
+    assert all(c._version > v for c, v in zip(copies, versions))  # written in place
+    assert all(map(torch.equal, copies, [p.detach().to(BF16) for p in masters.params]))
+
+
+def test_a_lazy_module_materialized_inside_the_first_forward_keeps_the_gradients_of_the_modules_before_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.LazyLinear(2))
+    x = torch.randn(5, 3)
+    masters = watched(model)
+    grads = []
+    for _ in range(2):  # the first forward rebuilds the copies when LazyLinear materializes, after Linear's ran
+        step(model, masters, x)
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+        masters.begin(force=True)
+    assert all(map(torch.equal, *grads))
 
 
 def test_a_data_write_before_the_forward_is_seen_by_a_forced_refresh():

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lightning_mp import overflow_locator as ol
+from lightning_mp.doctor import step_report
 from lightning_mp.doctor.locator import OverflowLocator, OverflowReport
 from tests.conftest import cuda
 
@@ -154,6 +155,61 @@ def test_a_forward_overflow_wins_over_the_backward_non_finite_it_causes(path):
     assert step(model, OverflowLocator(model), X, scale=2.0**20).phase == "forward"
 
 
+# ---------------------------------------------------------------------------------------------- the loss
+def loss_step(model, locator, x, scale=1.0, fault=1.0):
+    """A step whose loss is shown to the locator before its backward (what the plugin does)."""
+    model.zero_grad(set_to_none=True)
+    locator.begin_step()
+    loss = model(x).float().sum() * fault
+    locator.note_loss(loss)
+    (loss * scale).backward()
+    return locator.report()
+
+
+def test_a_non_finite_loss_with_the_forward_checks_off_is_a_forward_overflow_not_the_gradient_it_reached(path):
+    model = half_mlp(Scale(1e6))
+    locator = OverflowLocator(model, forward=False)
+    report = loss_step(model, locator, X)
+    # the first non-finite gradient (the last Linear's) is only where the backward carried the forward's inf
+    assert (report.phase, report.module, report.tensor, report.forward_checked) == ("forward", None, "loss", False)
+    assert (report.reached.phase, report.reached.module, report.reached.module_type) == ("backward", "3", "Linear")
+    assert str(report).startswith(
+        f"forward overflow: the loss was already {report.value}, so the forward made it; no module output was "
+        "checked in this step (the forward checks were off), so the module is not named; the backward carried it "
+        "to `3` (Linear) first: gradient of "
+    )
+    locator.check_forward = True  # armed: the module's own output is named, not the loss
+    armed = loss_step(model, locator, X)
+    assert (armed.phase, armed.module, armed.module_type, armed.tensor) == ("forward", "1", "Scale", "output")
+
+
+def test_a_loss_made_non_finite_after_finite_module_outputs_is_named_as_the_loss(path):
+    model = half_mlp(Scale(1.0))
+    report = loss_step(model, OverflowLocator(model), X, fault=math.nan)
+    assert (report.phase, report.module, report.tensor, report.forward_checked) == ("forward", None, "loss", True)
+    assert report.name == "<loss>" and report.reached is None
+    assert str(report) == (
+        "forward overflow in the loss: every module's output was finite, the loss went nan (the loss function, or "
+        "code outside the modules, made it)"
+    )
+
+
+def test_a_finite_loss_leaves_a_backward_overflow_a_backward_one(path):
+    model = half_mlp(nn.Identity())
+    report = loss_step(model, OverflowLocator(model, forward=False), X, scale=2.0**20)
+    assert (report.phase, report.module) == ("backward", "3")
+
+
+def test_the_losses_of_a_step_are_forgotten_at_the_next_and_kept_by_reference_only():
+    model = half_mlp(Scale(1.0))
+    locator = OverflowLocator(model, forward=False)
+    loss = torch.tensor(math.inf)
+    locator.note_loss(loss)
+    assert locator._losses[0] is loss  # nothing copied or read
+    locator.begin_step()
+    assert locator.report() is None  # no gradient and no loss of this step
+
+
 # ---------------------------------------------------------------------------------------------- clean steps
 def test_a_clean_step_reports_none_and_begin_step_forgets_the_last_overflow(path):
     model = half_mlp(Scale(1.0))
@@ -251,12 +307,14 @@ def test_with_forward_checks_off_a_clean_step_installs_nothing_and_reads_nothing
     locator = OverflowLocator(model, forward=False)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     assert all(not p._backward_hooks for p in model.parameters())
-    for name in ("_cpu_non_finite", "_first_non_finite", "_host_amax"):
-        monkeypatch.setattr(ol, name, mock.Mock(side_effect=AssertionError(f"{name} on a clean step")))
+    for module, name in ((ol, "_cpu_non_finite"), (step_report, "_first_non_finite"), (ol, "_host_amax")):
+        monkeypatch.setattr(module, name, mock.Mock(side_effect=AssertionError(f"{name} on a clean step")))
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         locator.begin_step()
-        model(X).float().sum().backward()
+        loss = model(X).float().sum()
+        locator.note_loss(loss)  # kept, not read
+        loss.backward()
     assert not locator._records and not locator._found and not locator._known
 
 

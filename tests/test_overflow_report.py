@@ -76,3 +76,27 @@ def test_the_parameter_gradients_are_not_read_when_a_forward_output_was_non_fini
     records = [(1, 1, 0, "output", t(0.0, INF), t(0.0, 1.0))]
     never = lambda: pytest.fail("read the gradients although the forward named the culprit")  # noqa: E731
     assert _first_report(records, {}, NAMES, TYPES, never, None).phase == "forward"
+
+
+def test_a_non_finite_loss_comes_after_a_forward_output_and_before_every_gradient():
+    loss = OverflowReport("forward", None, None, "loss", "inf")
+    never = lambda: pytest.fail("read the gradients although the loss showed the forward went non-finite")  # noqa: E731
+    forward = [(1, 1, 0, "output", t(0.0, INF), t(0.0, 1.0))]
+    backward = [(1, 2, 1, "input gradient", t(0.0, INF), None)]  # what the loss's inf did in the backward
+    assert _first_report(forward, {}, NAMES, TYPES, never, None, lambda: loss).module == "block"
+    assert _first_report(backward, {}, NAMES, TYPES, never, None, lambda: loss) is loss
+    # a finite loss (None) leaves the backward to name the culprit
+    assert _first_report(backward, {}, NAMES, TYPES, None, None, lambda: None).tensor == "input gradient"
+
+
+def test_the_text_of_a_loss_report_says_whether_the_module_outputs_were_checked():
+    reached = OverflowReport("backward", "block.linear", "Linear", "gradient of weight", "nan")
+    unchecked = OverflowReport("forward", None, None, "loss", "inf", forward_checked=False, reached=reached)
+    assert str(unchecked) == (
+        "forward overflow: the loss was already inf, so the forward made it; no module output was checked in this "
+        "step (the forward checks were off), so the module is not named; the backward carried it to "
+        "`block.linear` (Linear) first: gradient of weight went nan"
+    )
+    assert str(OverflowReport("forward", None, None, "loss", "nan")).startswith(
+        "forward overflow in the loss: every module's output was finite, the loss went nan"
+    )

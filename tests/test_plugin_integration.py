@@ -1,6 +1,7 @@
 """Trainer-level tests of MixedPrecisionPlugin: master weights, loss scaling, clipping, checkpoints, resume."""
 
 import copy
+import logging
 
 import lightning as L
 import pytest
@@ -60,9 +61,9 @@ def test_invalid_plugin_arguments_name_the_argument(kwargs, name):
 
 
 def test_defaults_per_format():
-    assert MixedPrecisionPlugin("fp16").scaler.dynamic
+    assert MixedPrecisionPlugin("fp16").core.scaler.dynamic
     assert MixedPrecisionPlugin("fp16").loss_scale == 2.0**16
-    assert MixedPrecisionPlugin("bf16").loss_scale == 1.0 and not MixedPrecisionPlugin("bf16").scaler.enabled
+    assert MixedPrecisionPlugin("bf16").loss_scale == 1.0 and MixedPrecisionPlugin("bf16").scaler is None
     assert MixedPrecisionPlugin("bf16").master_weights and not MixedPrecisionPlugin("fp32").master_weights
 
 
@@ -311,6 +312,43 @@ def test_fp16_persistent_overflow_stops_at_min_scale():
     assert plugin.skipped_steps == 4  # 8 -> 4 -> 2 -> 1 -> (0.5 refused)
 
 
+def test_the_stop_after_max_consecutive_skips_names_the_scale_of_the_skip_line_and_last_step_scale(caplog):
+    # issue 37: the stop said 2048 where the skip line, last_step_scale and TensorBoard said 4096
+    plugin = MixedPrecisionPlugin("fp16", init_scale=2.0**13, max_consecutive_skips=2)
+    with caplog.at_level(logging.WARNING, logger="lightning_mp.plugin"), pytest.raises(FloatingPointError) as err:
+        fit(TinyRegressor(fault_at=set(range(100))), plugin, max_steps=10)
+    skip_lines = [r.getMessage() for r in caplog.records if " skipped (loss scale " in r.getMessage()]
+    assert [line.split(":")[0] for line in skip_lines] == ["step 0 skipped (loss scale 8192)",
+                                                           "step 1 skipped (loss scale 4096)"]
+    assert plugin.last_step_scale == 4096.0  # what LossScaleMonitor logs as precision/loss_scale
+    assert str(err.value).startswith(
+        "Non-finite gradients at step 1 with loss scale 4096 (backed off to 2048 after it): 2 optimizer steps in a "
+        "row were skipped"
+    )
+
+
+@pytest.mark.parametrize(
+    "where, key, value, allowed",
+    [(("MixedPrecisionPlugin",), "version", "2", "allowed is an integer from 1 to 2"),
+     (("MixedPrecisionPlugin", "scaler"), "mode", "static", "allowed are 'dynamic', a positive finite number")],
+)
+def test_resuming_a_foreign_plugin_state_stops_naming_the_key_its_value_and_what_is_allowed(
+    tmp_path, where, key, value, allowed
+):
+    trainer = fit(TinyRegressor(), MixedPrecisionPlugin("fp16", init_scale=2.0**7), max_steps=2)
+    trainer.save_checkpoint(tmp_path / "saved.ckpt")
+    checkpoint = torch.load(tmp_path / "saved.ckpt", weights_only=False)
+    state = checkpoint
+    for k in where:
+        state = state[k]
+    state[key] = value
+    torch.save(checkpoint, tmp_path / "edited.ckpt")
+    trainer = L.Trainer(plugins=[MixedPrecisionPlugin("fp16")], max_steps=4, **trainer_kwargs())
+    with pytest.raises(ValueError, match=rf"{key}='{value}'.*{allowed}.*HINT") as err:
+        trainer.fit(TinyRegressor(), regression_data(), ckpt_path=tmp_path / "edited.ckpt")
+    assert "upgrade" not in str(err.value)  # a damaged state is not a newer one
+
+
 def test_dynamic_scale_grows_after_clean_interval():
     plugin = MixedPrecisionPlugin("fp16", init_scale=4.0, growth_interval=2)
     fit(TinyRegressor(), plugin, max_steps=6)
@@ -383,6 +421,56 @@ def test_manual_optimization_overflow_in_first_optimizer_skips_both_and_backs_of
     assert plugin.loss_scale == 32.0
 
 
+class GraphAcrossTheOtherStep(TwoOptimizers):
+    """Issue 37's GAN order under manual optimization: G's loss graph through D is built before D's step, and a forward
+    through D after that step (a metric, say) refreshes D's copies before G's backward. That graph back-propagates
+    through D's weights as they were when it was built, a 16-bit copy under ours and autocast's cast under
+    ``bf16-mixed``; in FP32 the step would modify the saved weight, so the FP32 reference (``snapshot``) reads a clone
+    of them, made when the graph is built."""
+
+    def __init__(self, snapshot=False):
+        super().__init__()
+        self.losses, self.snapshot = [], snapshot
+
+    def training_step(self, batch, batch_idx):
+        opt_g, opt_d = self.optimizers()
+        x, y = batch
+        fake = self.g(x)
+        if self.snapshot:
+            score = torch.func.functional_call(self.d, {n: p.clone() for n, p in self.d.named_parameters()}, (fake,))
+        else:
+            score = self.d(fake)  # G's loss graph: it saved D's weight
+        loss_d = nn.functional.mse_loss(self.d(fake.detach()).float(), y)
+        opt_d.zero_grad()
+        self.manual_backward(loss_d)
+        opt_d.step()
+        self.d(x)  # raised at G's backward below while this refresh wrote D's copies in place
+        loss_g = score.float().pow(2).mean()
+        opt_g.zero_grad()
+        self.manual_backward(loss_g)
+        opt_g.step()
+        self.losses.append((loss_d.item(), loss_g.item()))
+
+
+@pytest.mark.parametrize("precision, dtype, reference", [("bf16", torch.bfloat16, "bf16-mixed"),
+                                                         ("fp16", torch.float16, "32-true")])
+def test_manual_optimization_a_graph_built_before_the_other_optimizers_step_trains_as_lightnings_own(
+    precision, dtype, reference
+):
+    # fp16 against FP32: Lightning turns 16-mixed into bf16-mixed on the CPU
+    torch.manual_seed(0)
+    ours, ref = GraphAcrossTheOtherStep(), GraphAcrossTheOtherStep(snapshot=reference == "32-true")
+    ref.load_state_dict(ours.state_dict())
+    fit(ours, MixedPrecisionPlugin(precision, **FP16_SAFE), max_steps=16)
+    fit(ref, precision=reference, max_steps=16)
+    unit = torch.finfo(dtype).eps / 2  # unit roundoff: 2^-8 in bf16, 2^-11 in fp16
+    # bf16-mixed does bf16's arithmetic (measured: equal); against FP32 a loss carries the roundings of the inputs,
+    # weights and outputs of two layers (measured: 1.5 units in fp16; bf16-mixed is 1.0 bf16 unit from FP32)
+    tolerance = unit if reference == "bf16-mixed" else 4 * unit
+    got, want = torch.tensor(ours.losses), torch.tensor(ref.losses)
+    assert len(got) == 8 and ((got - want).abs() / want.abs()).max() <= tolerance
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints
 def test_checkpoint_holds_fp32_masters_and_loads_into_a_plain_fp32_model(tmp_path):
     model = TinyRegressor()
@@ -444,7 +532,7 @@ def test_resume_continues_bit_for_bit(tmp_path, precision):
     assert trainer.global_step == 16
     assert same_tree(second.state_dict(), straight.state_dict())
     assert resumed_plugin.skipped_steps == 2
-    assert resumed_plugin.scaler.state_dict() == straight_plugin.scaler.state_dict()  # scale, trackers, counts
+    assert resumed_plugin.core.scaler.state_dict() == straight_plugin.core.scaler.state_dict()  # scale, trackers, counts
 
 
 def test_fp32_is_a_bit_exact_passthrough():

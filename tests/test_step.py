@@ -121,6 +121,32 @@ def test_forget_lets_a_closure_optimizer_check_each_evaluation():
     assert step.unscale_(opt) is True
 
 
+def test_replay_gives_the_deciding_evaluation_first_and_unscales_each_re_evaluation():
+    step = MixedPrecisionStep(LossScaler("dynamic", init_scale=4.0))
+    p, opt = sgd(grad=4.0)  # the evaluation the front end ran: a scaled gradient of 1
+    assert step.unscale_(opt) is False
+    evaluations, hooks = [], []
+
+    def evaluate():  # a fresh forward and backward at the current parameters, with the loss scaled by 4
+        evaluations.append(p.detach().clone())
+        p.grad = torch.full((3,), 8.0)
+        return torch.tensor(2.0)
+
+    closure = step.replay(opt, torch.tensor(1.0), evaluate, lambda: hooks.append(p.grad.clone()), step=5)
+    assert closure() == 1.0 and evaluations == []  # no second forward for what already ran
+    assert closure() == 2.0 and len(evaluations) == 1
+    assert torch.equal(hooks[0], torch.full((3,), 2.0))  # the hook after a closure sees it unscaled
+    p.grad = None
+
+    def overflow():
+        p.grad = torch.full((3,), float("inf"))
+
+    closure = step.replay(opt, None, overflow, lambda: None, step=5)
+    closure()
+    with pytest.raises(FloatingPointError, match=r"step 5 with loss scale 4 when SGD re-evaluated.*HINT: "):
+        closure()
+
+
 def test_state_round_trip_and_a_newer_version_is_refused():
     scaler = LossScaler("dynamic", init_scale=64.0, growth_interval=3)
     step = MixedPrecisionStep(scaler)
@@ -136,6 +162,17 @@ def test_state_round_trip_and_a_newer_version_is_refused():
         other.load_state_dict({**state, "version": 3})
     with pytest.raises(KeyError, match="'scaler'"):
         other.load_state_dict({"version": 2})
+
+
+@pytest.mark.parametrize("version", ["2", 2.0, True, None, 0, -1])
+def test_a_version_that_is_no_known_integer_is_a_foreign_state_not_a_newer_one(version):
+    step = MixedPrecisionStep(LossScaler("dynamic"))
+    state = {**step.state_dict(), "version": version}
+    with pytest.raises(ValueError) as err:
+        step.load_state_dict(state)
+    message = str(err.value)
+    assert f"version={version!r}: allowed is an integer from 1 to 2. HINT: the checkpoint is corrupt" in message
+    assert "newer" not in message and "upgrade" not in message  # upgrading lightning_mp would not help
 
 
 # ---------------------------------------------------------------------------------------------- gradient layout

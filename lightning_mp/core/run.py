@@ -24,23 +24,24 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.optim import LBFGS, Optimizer
+from torch.optim import Optimizer
 
+from lightning_mp.core.autopilot import Autopilot, split_auto
+from lightning_mp.core.skips import not_resumed, refuse_lbfgs, skip_line, stop_error
 from lightning_mp.doctor.locator import OverflowLocator
 from lightning_mp.doctor.report import OverflowReport
 from lightning_mp.formats import Format, check_device_supports, resolve_precision
 from lightning_mp.gemm.emulation import GemmEmulation
 from lightning_mp.numerics.distributed import average_fp32_grads_per_step
-from lightning_mp.numerics.grad_layout import optimizer_params
+from lightning_mp.numerics.grad_layout import named_grads, optimizer_params
 from lightning_mp.numerics.lean import lean_bf16
 from lightning_mp.numerics.loss_scaler import LossScaler, ScalerSettings
 from lightning_mp.numerics.master_weights import MasterWeights
 from lightning_mp.numerics.scheduler_guard import SchedulerGuard
 from lightning_mp.numerics.sharding import is_sharded
 from lightning_mp.numerics.step import MixedPrecisionStep
-from lightning_mp.policy.autopilot import Autopilot, split_auto
 from lightning_mp.policy.policy import BF16_FP32_OPS, DEFAULT_FP32_OPS, Fp32Policy, refuse_16_bit_batch_norm
-from lightning_mp.validation import check_bool
+from lightning_mp.validation import check_bool, check_int
 
 log = logging.getLogger("lightning_mp.plugin")  # the name users filter on for the skip lines
 
@@ -62,7 +63,7 @@ class MixedPrecisionCore:
         parity_guard: float,
         skip_scheduler_on_overflow: bool,
         check_finite: bool,
-        locate_overflows: bool,
+        locate_overflows: bool | str,
         gemm: str,
         scaler: ScalerSettings,
     ) -> None:
@@ -70,7 +71,8 @@ class MixedPrecisionCore:
         self.lean = lean_bf16(self.format, master_weights, optimizer_state_dtype, parity_guard)
         check_bool("skip_scheduler_on_overflow", skip_scheduler_on_overflow)
         check_bool("check_finite", check_finite)
-        check_bool("locate_overflows", locate_overflows)
+        check_int("calibration_steps", calibration_steps, 0, why="with fp32_modules='auto', training steps measured")
+        check_bool("locate_overflows", locate_overflows, also=("forward", "the forward checks from the first step"))
         self.master_weights = self.format.is_16bit and master_weights is not False and self.lean is None
         self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
         self.check_finite = check_finite
@@ -126,12 +128,7 @@ class MixedPrecisionCore:
         check_device_supports(self.format, self.device_type)
         verdict = self.gemm.setup(self.device_type, self.format.dtype) if self.format.is_16bit else ""
         self._handles.append(self.gemm)  # emulated GEMMs: kernels registered until teardown
-        if (self.scaler.dynamic or self.lean) and any(isinstance(opt, LBFGS) for opt in optimizers):
-            raise ValueError(
-                "LBFGS re-evaluates its closure inside step(), so a step with an overflow cannot be skipped and "
-                "buckets cannot step apart: loss_scale='dynamic' and master_weights='compensated' do not support it. "
-                "HINT: use a static loss_scale=<number>, or precision='bf16' with master_weights=True."
-            )
+        refuse_lbfgs(optimizers, self.scaler.dynamic, self.lean is not None)
         if self.masters is not None:
             self._handles.extend(average_fp32_grads_per_step(model, self.step))
         self.guard_schedulers(schedulers)
@@ -148,7 +145,8 @@ class MixedPrecisionCore:
                 self.autopilot.attach(root, self.device_type)
                 self._handles.append(self.autopilot)
         if self.locate_overflows:  # nothing on a clean step; a skip names the first non-finite gradient
-            locator = self.locator = OverflowLocator(root, input_grads=False, forward=False)
+            forward = self.locate_overflows == "forward"  # the forward checks from the first step (9-13% of a step)
+            locator = self.locator = OverflowLocator(root, input_grads=False, forward=forward)
             self.step.on_overflow = lambda optimizer: locator.locate_gradients(self.named_grads(optimizer))
             self._handles.append(locator)
         return verdict
@@ -199,7 +197,19 @@ class MixedPrecisionCore:
         """The backward's GEMMs (grad @ W, x^T @ grad, the attention backward) under the forward's emulation."""
         return self.gemm.context()
 
+    def before_backward(self) -> None:
+        """Lean bf16: gradients this backward would add to in bf16 (an earlier micro-batch's) become FP32 first."""
+        if self.lean is not None:
+            self.lean.before_backward()
+
+    def before_clipping(self, optimizer: Optimizer) -> None:
+        """Lean bf16: clipping reads and scales FP32 gradients (the step then reads those), as over FP32 masters."""
+        if self.lean is not None:
+            self.lean.before_clipping(optimizer)
+
     def scale_loss(self, loss: Tensor) -> Tensor:
+        if self.locator is not None:
+            self.locator.note_loss(loss)  # a reference; read only if the step is skipped (a non-finite loss)
         return self.scaler.scale_loss(loss)
 
     def fold(self) -> None:
@@ -213,9 +223,16 @@ class MixedPrecisionCore:
         self.step.unscale_(optimizer)
         return self.step.skipping
 
-    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        """Skip (``None``) or step; the stepped parameters' copies are refreshed at the next forward."""
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """Skip (``None``) or step; the stepped parameters' copies are refreshed at the next forward.
+
+        ``closure`` (from :meth:`replay_closure`) goes to ``optimizer.step`` as without a plugin; lean bf16 steps
+        bucket by bucket, where a closure cannot re-run, so there it is only called once for the step's result."""
+        if closure is not None and self.lean is None:
+            kwargs["closure"] = closure
         output = self.step.step(optimizer, **kwargs)
+        if closure is not None and self.lean is not None and not self.step.skipping:
+            output = closure()  # the evaluation that decided the step: the loss, at no cost
         if self.masters is not None:
             self.masters.mark_stale(optimizer_params(optimizer))
         return output
@@ -229,54 +246,39 @@ class MixedPrecisionCore:
             if self.locator is not None:
                 self.locator.check_forward = True  # armed at the first skip: names a forward overflow next time
             if rank_zero:
-                where = f": {report}" if report is not None else ""
-                log.warning(f"step {step} skipped (loss scale {self.scaler.scale:g}){where}")
-            if self.autopilot is not None and report is not None and report.phase == "forward":
-                self.autopilot.demote(report.module, f"the step overflowed there: {report}", step)
+                log.warning(skip_line(step, self.scaler.scale, report))
+            located = report is not None and report.phase == "forward" and report.module is not None
+            if self.autopilot is not None and located:
+                self.autopilot.demote(report)  # a proposal: the ranks agree in end_step
         if self.autopilot is not None and self.step.in_progress:
-            self.autopilot.end_step()
+            self.autopilot.end_step(step, skipped=self.step.skipping)  # the agreement: every rank, same steps
         try:
             self.step.end_training_step(step)
         except FloatingPointError as err:
             if report is None:
                 raise
-            raise FloatingPointError(f"{err} Where it first went non-finite: {report}.") from err
+            raise stop_error(err, report) from err
         finally:
             if self.locator is not None:
                 self.locator.begin_step()
 
-    def closure_step(self, optimizer: Optimizer, closure: Callable[[], Any], after_closure: Callable[[], None],
-                     step: int | None, **kwargs: Any) -> Any:
-        """Optimizers that evaluate the closure several times per step (LBFGS): every evaluation runs on copies of
-        the current FP32 parameters and leaves unscaled FP32 gradients (``after_closure`` sees them); a non-finite
-        one stops the run (the step cannot be skipped halfway through a line search)."""
+    def replay_closure(self, optimizer: Optimizer, first: Any, closure: Callable[[], Any],
+                       after_closure: Callable[[], None], step: int | None) -> Callable[[], Any]:
+        """The closure ``optimizer.step`` gets (:meth:`MixedPrecisionStep.replay`): a re-evaluation reads copies of
+        the parameters the optimizer moved and leaves unscaled FP32 gradients, which ``after_closure`` sees."""
 
         def evaluate() -> Any:
+            self.begin(force=True)  # the optimizer moved the masters in place: refresh the copies
             result = closure()
-            self.step.forget(optimizer)
-            if self.unscale_(optimizer):
-                raise FloatingPointError(
-                    f"Non-finite gradients at step {step} with loss scale {self.scaler.scale:g} inside an LBFGS "
-                    "step, which cannot be skipped. HINT: lower the learning rate or the static loss_scale."
-                )
-            after_closure()
+            self.fold()  # a bare loss.backward() inside the closure
             return result
 
-        output = optimizer.step(closure=evaluate, **kwargs)
-        if self.masters is not None:
-            self.masters.mark_stale(optimizer_params(optimizer))
-        self.end_training_step(step)  # never a skip here (a non-finite evaluation raised); resets the locator
-        return output
+        return self.step.replay(optimizer, first, evaluate, after_closure, step)
 
     # ------------------------------------------------------------------ what the front ends show
     def named_grads(self, optimizer: Optimizer | None = None) -> Iterator[tuple[str, Tensor]]:
         """(parameter name, FP32 gradient the optimizer reads), for one optimizer's parameters or all of them."""
-        if self.root is None:
-            return
-        allowed = None if optimizer is None else {id(p) for g in optimizer.param_groups for p in g["params"]}
-        for name, p in self.root.named_parameters():
-            if p.grad is not None and (allowed is None or id(p) in allowed):
-                yield name, p.grad
+        return named_grads(self.root, optimizer)
 
     def state_dict(self) -> dict[str, Any]:
         """The plugin's checkpoint state: the format, the scaler, and the autopilot's decisions."""
@@ -290,10 +292,7 @@ class MixedPrecisionCore:
         if self.autopilot is not None and "auto_fp32_modules" in state:
             self.autopilot.load_state_dict(state["auto_fp32_modules"])
         elif state.get("auto_fp32_modules", {}).get("modules"):
-            log.warning(
-                f"The checkpoint's run moved {state['auto_fp32_modules']['modules']} to FP32 (fp32_modules='auto'); "
-                "this plugin does not, so the resumed run computes differently. HINT: resume with fp32_modules='auto'."
-            )
+            log.warning(not_resumed(state["auto_fp32_modules"]["modules"]))
 
     def _keeps_fp32(self, module: nn.Module) -> bool:
         return self.policy.keeps_fp32(module) or (self.autopilot is not None and self.autopilot.keeps(module))

@@ -11,10 +11,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.core.run import MixedPrecisionCore
+from lightning_mp.core.scaler_view import ScalerView
 from lightning_mp.doctor.report import OverflowReport
 from lightning_mp.formats import Format
 from lightning_mp.gemm.emulation import GemmEmulation
-from lightning_mp.numerics.loss_scaler import LossScaler, ScalerSettings
+from lightning_mp.numerics.loss_scaler import ScalerSettings
 from lightning_mp.numerics.step import MixedPrecisionStep
 from lightning_mp.policy.ops import DEFAULT_FP32_MODULES
 from lightning_mp.policy.policy import Fp32Policy
@@ -47,6 +48,16 @@ class CoreViews:
                     f"{name}={kwargs[name]!r} is not an argument of {cls.__name__} (it is one of Lightning's "
                     f"MixedPrecision). HINT: {hint}."
                 )
+        if len(args) > 1 and cls.__init__ is CoreViews.__init__:  # a subclass with its own __init__ decides itself
+            # Lightning's positional order, MixedPrecision("16-mixed", "cuda"): its device is the Trainer's here
+            foreign = list(_FOREIGN_ARGUMENTS)[: len(args) - 1]
+            named = ", ".join(f"{name}={value!r}" for name, value in zip(foreign, args[1:]))
+            raise ValueError(
+                f"{cls.__name__}({', '.join(map(repr, args))}): only `precision` is positional; in the order of "
+                f"Lightning's MixedPrecision(precision, device, scaler) the rest is {named}, which this plugin does "
+                f"not take. HINT: {'; '.join(_FOREIGN_ARGUMENTS[name] for name in foreign)}; every other argument "
+                "goes by name (master_weights=, loss_scale=, ...)."
+            )
         return super().__new__(cls)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -66,7 +77,7 @@ class CoreViews:
         parity_guard: float = 0.0,
         skip_scheduler_on_overflow: bool = True,
         check_finite: bool = True,
-        locate_overflows: bool = True,
+        locate_overflows: bool | str = True,
         gemm: str = "auto",
         init_scale: float = _S.init_scale,
         growth_factor: float = _S.growth_factor,
@@ -95,6 +106,12 @@ class CoreViews:
     def _set_up_front_end(self) -> None:
         """The front end's own state (called at the end of ``__init__``)."""
         pass
+
+    @property
+    def device(self) -> str:
+        """The device type the run computes on (``"cpu"``, ``"cuda"``), as Lightning's ``MixedPrecision.device``:
+        the Trainer's or Fabric's, read from the model when it is connected (``"cpu"`` until then)."""
+        return self.core.device_type
 
     @property
     def loss_scale(self) -> float:
@@ -150,8 +167,12 @@ class CoreViews:
         return self.core.step
 
     @property
-    def scaler(self) -> LossScaler:
-        return self.core.scaler
+    def scaler(self) -> ScalerView | None:
+        """The loss scaler as code written for Lightning's ``MixedPrecision`` reads a ``GradScaler``: ``None``
+        without loss scaling (bf16 and fp32 by default, as Lightning's is in ``bf16-mixed``), else a read-only
+        :class:`~lightning_mp.core.scaler_view.ScalerView` (``get_scale()``, ``is_enabled()``, ``state_dict()``...).
+        The whole scaler, every knob and counter, is ``plugin.core.scaler``."""
+        return ScalerView(self.core.scaler) if self.core.scaler.enabled else None
 
     @property
     def policy(self) -> Fp32Policy:
@@ -178,7 +199,7 @@ class CoreViews:
         return self.core.check_finite
 
     @property
-    def locate_overflows(self) -> bool:
+    def locate_overflows(self) -> bool | str:
         return self.core.locate_overflows
 
     @property

@@ -4,7 +4,10 @@ A skipped step says only *that* some gradient held inf/NaN; :class:`OverflowLoca
 costs nothing while the forward checks are off (no hook, no read). On a skipped step the gradients the optimizer
 reads are checked in one fused norm per (device, dtype), in backward order, and the first non-finite one is named;
 with :attr:`~OverflowLocator.check_forward` on, every module's floating output is checked too and the first
-non-finite forward output wins. What is checked, the backward order, and what each check costs and where it syncs:
+non-finite forward output wins. A loss passed to :meth:`~OverflowLocator.note_loss` (kept by reference, read on a
+skipped step only) that was already non-finite makes the report a forward one even with the forward checks off:
+the backward only carried the inf to the gradients, so the first non-finite gradient is not where it started.
+What is checked, the backward order, and what each check costs and where it syncs:
 ``docs/doctor.md``. Without a Trainer::
 
     locator = OverflowLocator(model)
@@ -12,6 +15,7 @@ non-finite forward output wins. What is checked, the backward order, and what ea
         optimizer.zero_grad()
         locator.begin_step()
         loss = model(batch).float().mean()
+        locator.note_loss(loss)  # optional: a non-finite loss is reported as a forward overflow
         (loss * scale).backward()
         if not all(p.grad.isfinite().all() for p in model.parameters()):  # your own skip test
             print(locator.report())  # "forward overflow in `mlp.1` (Scale): output went inf; largest input ..."
@@ -19,7 +23,8 @@ non-finite forward output wins. What is checked, the backward order, and what ea
             optimizer.step()
     locator.remove()
 
-The hooks and their bookkeeping; the report is :mod:`~lightning_mp.doctor.report`, the checks
+The hooks and their bookkeeping; the end of a step (noted losses, located gradients, the report) is
+:mod:`~lightning_mp.doctor.step_report`, the report itself :mod:`~lightning_mp.doctor.report`, the checks
 :mod:`~lightning_mp.doctor.finite_checks`, the order :mod:`~lightning_mp.doctor.order`.
 """
 
@@ -27,16 +32,15 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_mp.doctor.finite_checks import _bare, _cpu_non_finite, _first_non_finite, _host_amax, _real_dense, _tensors
-from lightning_mp.doctor.report import PHASES, OverflowReport, _first_report, _Found, _Record
+from lightning_mp.doctor.finite_checks import _bare, _cpu_non_finite, _host_amax, _real_dense, _tensors
+from lightning_mp.doctor.report import PHASES, OverflowReport, _Found, _Record
 from lightning_mp.doctor.order import ModuleOrder
-from lightning_mp.numerics.sharding import local
+from lightning_mp.doctor.step_report import _StepReport
 from lightning_mp.validation import check_bool
 
 # Past this many device records (a loop that never calls begin_step; a GPT step makes a few hundred) recording stops.
@@ -47,7 +51,7 @@ _MAX_RECORDS = 200_000
 _EAGER_DEVICE_TYPES = frozenset({"cpu"})
 
 
-class OverflowLocator:
+class OverflowLocator(_StepReport):
     """Names where a step went non-finite: forward outputs while :attr:`check_forward` is on, and, on a skipped
     step only, the gradients; :meth:`report` says which came first.
 
@@ -58,8 +62,9 @@ class OverflowLocator:
         forward: check forward outputs from the start (default). ``False`` installs no hook until
             :attr:`check_forward` is set (the plugin sets it on the first skipped step).
 
-    Per step: :meth:`begin_step` before the first forward; on a skipped step :meth:`locate_gradients` with the
-    gradients the optimizer read (before they are dropped), then :meth:`report`. :meth:`remove` takes the hooks off.
+    Per step: :meth:`begin_step` before the first forward; :meth:`note_loss` with each loss before its backward
+    (optional); on a skipped step :meth:`locate_gradients` with the gradients the optimizer read (before they are
+    dropped), then :meth:`report`. :meth:`remove` takes the hooks off.
     """
 
     def __init__(self, model: nn.Module, input_grads: bool = True, forward: bool = True) -> None:
@@ -80,6 +85,8 @@ class OverflowLocator:
         self._gradient: _Found | None = None  # the first non-finite parameter gradient of this step, if located
         self._gradient_key: tuple[int, ...] = ()  # its place in backward order (larger: earlier)
         self._located = False
+        self._losses: list[Tensor] = []  # this step's losses, by reference: read by report() only
+        self._outputs_checked = False  # whether a forward hook checked a module output in this step
         self._seq = 0
         self._recording = True
         self._removed = False
@@ -115,55 +122,10 @@ class OverflowLocator:
         self._gradient = None
         self._gradient_key: tuple[int, ...] = ()
         self._located = False
+        self._losses.clear()
+        self._outputs_checked = False
         self._recording = True
 
-    def locate_gradients(self, named_grads: Iterable[tuple[str, Tensor | None]] | None = None) -> OverflowReport | None:
-        """Find the first parameter, in backward order, whose gradient holds an inf/NaN; keep it for :meth:`report`.
-
-        ``named_grads``: (name as ``model.named_parameters()`` gives it, gradient) pairs, the FP32 gradients the
-        optimizer reads; ``None`` reads the watched parameters' ``.grad``. Several calls in one step (one per
-        optimizer) keep the earliest in the backward. Cost, on a skipped step only: one fused norm per (device,
-        dtype), one read back (a host sync), and an ``aminmax`` of the tensor it names."""
-        if self._removed:
-            return None
-        self._located = True
-        if named_grads is None:
-            named_grads = ((n, p.grad) for n, p in self._model.named_parameters())
-        candidates = []
-        for name, grad in named_grads:
-            if grad is not None:
-                grad = _real_dense(local(grad))
-                if grad.numel():
-                    candidates.append((self._order.backward_key(name), name, grad))
-        candidates.sort(key=lambda c: c[0], reverse=True)  # backward order: the last module to run goes first
-        with _bare():
-            found = _first_non_finite([grad for _, _, grad in candidates])
-        if found is None:
-            return None
-        key, name, _ = candidates[found[0]]
-        index, pname = self._order.where(name)
-        module, module_type = self._order.module_name(index, name), self._order.module_type(index, name)
-        report = OverflowReport("backward", module, module_type, f"gradient of {pname}", found[1])
-        if self._gradient is None or key > self._gradient_key:
-            self._gradient, self._gradient_key = _Found(0, report, index), key
-        return self._gradient.report
-
-    def report(self) -> OverflowReport | None:
-        """The first non-finite forward output of this step, else its first non-finite gradient, else ``None``.
-
-        Reads the device checks back in one transfer per device (a host sync): call it when a step was skipped.
-        Without a :meth:`locate_gradients` call in this step, it reads the watched parameters' ``.grad`` itself
-        when no forward output was non-finite.
-        """
-        if self._removed:
-            return None
-
-        def parameters() -> _Found | None:
-            if not self._located:
-                self.locate_gradients()
-            return self._gradient
-
-        return _first_report(self._records, self._found, self._names, self._types, parameters, self._order.forward_key)
 
     def remove(self) -> None:
         """Take every hook off the model; the locator checks and reports nothing afterwards (:attr:`check_forward`
@@ -223,6 +185,7 @@ class OverflowLocator:
             if torch.compiler.is_compiling() or not self._calls or self._calls[-1][0] != index:
                 return  # no matching pre-hook: grad disabled, not recording, or the forward raised in a child
             _, inputs, input_stats = self._calls.pop()
+            self._outputs_checked = True
             with _bare():
                 checked = [self._check_output(index, t, inputs, input_stats) for t in _tensors(output)]
             if input_stats and not any(checked) and self._room():

@@ -2,7 +2,8 @@
 
 :class:`OverflowReport` names the module, the phase and the tensor where a step first went non-finite.
 :func:`_first_report` turns the locator's device records (``[min, max]`` pairs, never read on a clean step) into that
-report, reading them all in one transfer per device.
+report, reading them all in one transfer per device. A non-finite loss with no module output found non-finite is a
+forward overflow too (``tensor="loss"``): the backward only carried it to the gradients.
 """
 
 from __future__ import annotations
@@ -27,23 +28,33 @@ class OverflowReport:
     """Where a step first went non-finite.
 
     Attributes:
-        phase: ``"forward"`` (a module's output) or ``"backward"`` (a gradient its backward produced).
-        module: the module's qualified name in the model (``""`` is the model itself).
-        module_type: the module's class name.
-        tensor: what went non-finite: ``"output"``, ``"input gradient"``, ``"gradient of <parameter>"``, or
+        phase: ``"forward"`` (a module's output, or the loss) or ``"backward"`` (a gradient its backward produced).
+        module: the module's qualified name in the model (``""`` is the model itself); ``None`` when no module is
+            named (``tensor="loss"``).
+        module_type: the module's class name (``None`` with ``module=None``).
+        tensor: what went non-finite: ``"output"``, ``"input gradient"``, ``"gradient of <parameter>"``,
             ``"own code"``: a forward overflow in the module's own code between its submodules (the first
-            submodule output that went non-finite had a non-finite input, made by this module's ``forward``).
+            submodule output that went non-finite had a non-finite input, made by this module's ``forward``), or
+            ``"loss"``: the loss itself was non-finite, so the forward went non-finite before the backward began,
+            and no checked module output was (see ``forward_checked``).
         value: ``"inf"``, ``"-inf"`` or ``"nan"``.
         input_amax: forward overflows: the largest magnitude at the module's floating inputs (finite: the overflow
             happened inside it). ``None`` for backward overflows and for modules without a floating input.
+        forward_checked: whether module outputs were checked in that step. ``False`` only on a ``"loss"`` report of
+            a step that ran with the forward checks off: some module or the loss code made the inf, which one is
+            not known. ``True`` on a ``"loss"`` report: every module's output was finite, the loss code made it.
+        reached: on a ``"loss"`` report with ``forward_checked=False``, the first non-finite gradient in backward
+            order: where the inf reached the backward, not where it started. Else ``None``.
     """
 
     phase: str
-    module: str
-    module_type: str
+    module: str | None
+    module_type: str | None
     tensor: str
     value: str
     input_amax: float | None = None
+    forward_checked: bool = True
+    reached: OverflowReport | None = None
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -51,10 +62,12 @@ class OverflowReport:
 
     @property
     def name(self) -> str:
-        """The module's name, ``<model>`` for the model itself."""
-        return self.module or "<model>"
+        """The module's name, ``<model>`` for the model itself, ``<loss>`` when no module is named."""
+        return "<loss>" if self.module is None else self.module or "<model>"
 
     def __str__(self) -> str:
+        if self.tensor == "loss":
+            return self._loss_text()
         head = f"{self.phase} overflow in `{self.name}` ({self.module_type})"
         if self.tensor == "own code":
             text = f"{head}: its own forward code, between its submodules, made a {self.value}"
@@ -65,6 +78,21 @@ class OverflowReport:
         if math.isfinite(self.input_amax):
             return f"{text}; largest input magnitude {self.input_amax:.4g}"
         return f"{text}; its input was already non-finite"
+
+    def _loss_text(self) -> str:
+        if self.forward_checked:
+            return (
+                f"forward overflow in the loss: every module's output was finite, the loss went {self.value} (the "
+                "loss function, or code outside the modules, made it)"
+            )
+        text = (
+            f"forward overflow: the loss was already {self.value}, so the forward made it; no module output was "
+            "checked in this step (the forward checks were off), so the module is not named"
+        )
+        if self.reached is None:
+            return text
+        r = self.reached
+        return f"{text}; the backward carried it to `{r.name}` ({r.module_type}) first: {r.tensor} went {r.value}"
 
 
 @dataclass(frozen=True)
@@ -81,10 +109,12 @@ def _first_report(
     types: list[str],
     parameters: Callable[[], _Found | None] | None = None,
     forward_rank: Callable[[int], tuple[int, int]] | None = None,
+    loss: Callable[[], OverflowReport | None] | None = None,
 ) -> OverflowReport | None:
     """The first non-finite forward output among ``records`` and the CPU culprits ``found`` (phase index -> the
-    first one, by sequence number), else the first non-finite gradient, else ``None``. ``names`` and ``types`` are
-    the watched modules' qualified names and class names, by module index.
+    first one, by sequence number), else ``loss()`` (a non-finite loss: the forward went non-finite, and the
+    backward only carried it), else the first non-finite gradient, else ``None``. ``names`` and ``types`` are the
+    watched modules' qualified names and class names, by module index.
 
     Gradients come from two places: input-gradient checks recorded during the backward (in ``records`` and
     ``found``, first by sequence number), and ``parameters()``, called only when no forward output was non-finite:
@@ -118,6 +148,10 @@ def _first_report(
                 report = _own_code_report(records, names, types, pos, value, values, spans) or report
             best = _Found(seq, report, module)
             break
+        if phase == 0 and best is None and loss is not None:
+            best_loss = loss()
+            if best_loss is not None:
+                return best_loss
         if phase == 1 and parameters is not None:
             param = parameters()
             if param is not None and (best is None or forward_rank(param.module) >= forward_rank(best.module)):

@@ -3,7 +3,8 @@
 Where each piece runs in one iteration of a Fabric loop::
 
     fabric.setup(model, opt)  convert_module: the model's FP32 parameters are the masters          (core.convert)
-    model(x)                  forward_context, which Fabric's module wrapper enters around forward:
+    model(x)                  convert_input: floating inputs cast to the 16-bit format (as Fabric's MixedPrecision)
+                              forward_context, which Fabric's module wrapper enters around forward:
                                 the device set-up on the first forward                           (core.connect)
                                 copies refreshed where their masters changed                      (core.begin)
                                 autocast + GEMM emulation, the FP32 policy's kernels switched on
@@ -19,7 +20,10 @@ The model's Parameters hold their FP32 masters at every moment, so the optimizer
 back-propagated), clipping and anything the loop reads see exact FP32 weights. The first forward after an
 ``optimizer.step()`` refreshes every trainable copy (a write through ``.data`` after the step is seen); other
 forwards refresh the copies whose masters changed, so two forwards through one model in one graph (a GAN's
-discriminator on real and fake data) share their copies.
+discriminator on real and fake data) share their copies. A graph built before an ``optimizer.step()`` and
+back-propagated after it (the generator's ``fake = G(z)`` across the discriminator's step) keeps the copies it was
+built with: the refresh puts the new values in other tensors (:mod:`lightning_mp.numerics.copies`), as Fabric's own
+mixed precision casts fresh ones at every forward.
 
 Fabric has no ``connect`` and no end of fit: the one-time set-up that needs the device runs on the first forward,
 the FP32 policy's kernels are registered then (switched on only inside forwards and backwards, so other autocast
@@ -66,7 +70,8 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
       ``fabric.save(path, {"model": model, "optimizer": opt, "precision": plugin})`` and the same dict for
       ``fabric.load``. A checkpoint of Fabric's own ``MixedPrecision("16-mixed")`` (its GradScaler state) is taken
       over too.
-    * ``optimizer.step(closure=...)`` (LBFGS) is not supported.
+    * ``optimizer.step(closure=...)`` (LBFGS, SAM) is not supported.
+    * Floating inputs are cast to the 16-bit format (``convert_input``), as Fabric's own ``MixedPrecision`` does.
     * One process only with master weights: several ranks are refused at the first forward (Fabric's DDP would
       average each micro-batch's 16-bit gradients, not the FP32 ones once per step).
     """
@@ -126,6 +131,15 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
             yield
 
     @override
+    def convert_input(self, data: Any) -> Any:
+        """Floating inputs in the 16-bit format, as Fabric's own ``MixedPrecision`` casts them (``x.dtype`` inside
+        ``forward`` is the same under both); FP32 modules upcast what reaches them (``fp32_modules``)."""
+        if not self.core.format.is_16bit:
+            return data
+        dtype = self.core.format.dtype
+        return apply_to_collection(data, function=lambda t: t.to(dtype) if t.is_floating_point() else t, dtype=Tensor)
+
+    @override
     def convert_output(self, data: Any) -> Any:
         if not self.core.format.is_16bit:
             return data
@@ -134,6 +148,7 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
     # ------------------------------------------------------------------ backward
     @override
     def pre_backward(self, tensor: Tensor, module: nn.Module | None) -> None:  # type: ignore[override]
+        self.core.before_backward()  # lean bf16: a second micro-batch sums into FP32 gradients
         return None  # Fabric ignores what pre_backward returns: the loss is scaled in backward
 
     @override
@@ -158,6 +173,7 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
             # the step is skipped: clipping inf/NaN gradients would raise or compute NaN norms, and torch's
             # clip_grad_value_ fails on an empty list; a zero gradient clips to a norm of 0 and changes nothing
             return iter((_zero_grad_tensor(optimizer),))
+        self.core.before_clipping(optimizer)  # lean bf16: clip FP32 gradients (Fabric's clipping reads these)
         return super().main_params(optimizer)
 
     @override
@@ -167,7 +183,7 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
                 f"optimizer.step(closure={kwargs['closure']!r}): closures are not supported by "
                 "lightning_mp.fabric.MixedPrecisionPlugin (the gradients must be unscaled and checked before the "
                 "optimizer reads them, and a closure computes them inside step()). HINT: use an optimizer without a "
-                "closure, or the Trainer plugin, which runs LBFGS with a static loss_scale or bf16."
+                "closure, or the Trainer plugin, which passes closures on (LBFGS with bf16 or a static loss_scale)."
             )
         self.core.unscale_(optimizer)
         for listener in self._listeners:

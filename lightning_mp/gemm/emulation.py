@@ -5,7 +5,10 @@ the result to 16 bits. On a CPU without such instructions torch runs 16-bit GEMM
 5-100x slower than FP32 (measured: ``nn.Linear(256, 1024)`` on 2048 rows, fwd+bwd, on an ``AVX2`` CPU: FP32
 107 ms, bf16 2047 ms). Computing the same product as an FP32 GEMM on the 16-bit values and rounding its result
 to 16 bits keeps those numerics (99.99% of elements bit-identical to the bf16 kernel, the rest 1 ulp: the two
-differ only in the order of the FP32 accumulation) and runs at FP32 speed.
+differ only in the order of the FP32 accumulation) and runs at FP32 speed. Convolutions are rounded once too, where
+torch's fallback for them rounds inside (each image's weight gradient added into a 16-bit sum, the overlapping
+windows of the input gradient summed in 16 bits): emulated ones are the closer to the exact result
+(docs/benchmarks.md, "Emulated convolutions").
 
 Where the upcast happens matters. :class:`EmulatedGemmMode` is a ``TorchDispatchMode``, so it sees aten ops
 *below* autograd and below autocast: autograd records the 16-bit op on the 16-bit operands and saves them (the
@@ -86,6 +89,29 @@ EMULATED_OPS: frozenset = frozenset(
 _FP32_OUTPUTS = {aten._scaled_dot_product_flash_attention_for_cpu.default: (1,)}
 
 
+def _convolution_backward(grad_output: Tensor, input: Tensor, weight: Tensor, bias_sizes: Any, stride: Any,  # noqa: A002
+                          padding: Any, dilation: Any, transposed: bool, output_padding: Any, groups: int,
+                          output_mask: Any) -> tuple:
+    """The FP32 ``convolution_backward`` with exactly the gradients ``output_mask`` asks for, as the 16-bit kernel it
+    stands in for returns. oneDNN's FP32 kernel computes the weight gradient whenever the bias gradient is asked for
+    and returns it unasked: a frozen weight with a trainable bias (autograd's mask ``[*, False, True]``) would pay a
+    whole weight-gradient GEMM. There the bias gradient is the sum of ``grad_output`` over all but its channel
+    dimension, in FP32 like oneDNN's own."""
+    want_input, want_weight, want_bias = output_mask
+    rest = (stride, padding, dilation, transposed, output_padding, groups)
+    if want_bias and not want_weight:
+        grad_input = None
+        if want_input:
+            grad_input = aten.convolution_backward(grad_output, input, weight, None, *rest, [True, False, False])[0]
+        return grad_input, None, grad_output.sum([0, *range(2, grad_output.dim())])
+    grads = aten.convolution_backward(grad_output, input, weight, bias_sizes, *rest, output_mask)
+    return tuple(g if want else None for g, want in zip(grads, output_mask))
+
+
+# ops whose FP32 call is not the op itself
+_FP32_CALLS = {aten.convolution_backward.default: _convolution_backward}
+
+
 @functools.lru_cache(maxsize=None)
 def _composite(func) -> bool:
     """Whether ``func`` is defined by other aten ops (CompositeImplicitAutograd), so it can be decomposed."""
@@ -114,7 +140,7 @@ def _emulate(func, dtype: torch.dtype, args: tuple, kwargs: dict, staging: _Stag
     if kwargs:
         kwargs = {k: take(v) if isinstance(v, Tensor) and v.dtype == dtype else v for k, v in kwargs.items()}
     with _BELOW() if below else contextlib.nullcontext():
-        out = func(*args, **kwargs)
+        out = _FP32_CALLS.get(func, func)(*args, **kwargs)
     if isinstance(out, Tensor):
         result = out.to(dtype)
     else:

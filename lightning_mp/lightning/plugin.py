@@ -1,10 +1,12 @@
 """The Trainer front end: Lightning's ``Precision`` hooks mapped onto :class:`lightning_mp.core.MixedPrecisionCore`.
 
-``train_step_context`` -> ``core.begin`` + ``core.forward_context``; ``pre_backward`` -> ``core.scale_loss``;
-``post_backward`` -> ``core.fold`` (``on_after_backward`` sees every gradient in FP32 ``.grad``); ``optimizer_step``
--> closure, ``core.unscale_`` (hooks and clipping see true gradients), ``core.optimizer_step`` and, once per training
-step however many optimizers stepped, ``core.end_training_step`` (manual optimization: at the end of
-``training_step``, so several optimizers use one scale and move the state machine once).
+``train_step_context`` -> ``core.begin`` + ``self.forward_context()`` (``core.forward_context``, a subclass's
+override honoured); ``pre_backward`` -> ``core.scale_loss``; ``post_backward`` -> ``core.fold``
+(``on_after_backward`` sees every gradient in FP32 ``.grad``); ``optimizer_step`` -> closure, ``core.unscale_``
+(hooks and clipping see true gradients), ``core.optimizer_step`` with ``core.replay_closure`` (the optimizer gets
+the closure it gets without a plugin) and, once per training step however many optimizers stepped,
+``core.end_training_step`` (manual optimization: at the end of ``training_step``, so several optimizers use one
+scale and move the state machine once).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
-from torch.optim import LBFGS, Optimizer
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp.core import CoreViews
@@ -41,8 +43,9 @@ class MixedPrecisionPlugin(CoreViews, Precision):
             themselves, and so the optimizer, hold FP32 masters (default for fp16 and bf16). ``False`` runs the
             forward under autocast only, like Lightning's ``16-mixed``/``bf16-mixed``. Ignored for fp32.
             ``"compensated"`` (bf16 only, "lean bf16"): the parameters are bf16 between steps, each with an exact
-            int16 remainder, and the optimizer steps on the rebuilt FP32 masters bucket by bucket: 14 B/param under
-            AdamW instead of 18, bit for bit the same training (``docs/behaviour.md``).
+            int16 remainder and a tie bit, and the optimizer steps on the rebuilt FP32 masters bucket by bucket:
+            14.1 B/param under AdamW instead of 18, bit for bit the same training in one process, accumulation and
+            clipping included (``docs/behaviour.md``).
         loss_scale: ``"dynamic"``, a positive number (static scale), ``None`` (no scaling), or ``"auto"``
             (default): ``"dynamic"`` for fp16, ``None`` for bf16 and fp32.
         fp32_ops: ops that always compute in FP32 under autocast (names or torch callables); kernels at torch's
@@ -58,7 +61,7 @@ class MixedPrecisionPlugin(CoreViews, Precision):
         calibration_steps: with ``fp32_modules="auto"``, the first training steps whose activations are measured
             (default 10; each costs about what the locator's forward checks do, 9-13% of a step).
         optimizer_state_dtype: with ``master_weights="compensated"``, ``torch.bfloat16`` keeps the optimizer's
-            per-element state (Adam's moments) in bf16 between steps, stochastically rounded: 10 B/param under AdamW.
+            per-element state (Adam's moments) in bf16 between steps, stochastically rounded: 10.1 B/param (AdamW).
             ``None`` (default): FP32.
         parity_guard: with ``master_weights="compensated"``, the fraction of parameter tensors shadowed in FP32 and
             stepped beside the lean ones; the drift is in :attr:`parity`, ``LossScaleMonitor``'s
@@ -71,6 +74,9 @@ class MixedPrecisionPlugin(CoreViews, Precision):
             the first non-finite gradient in backward order, and from then on the first module whose forward
             output went non-finite; in a log line, :attr:`last_overflow` and the ``FloatingPointError`` that stops
             a run. A clean step costs nothing; the forward checks (9-13% of a step) are armed at the first skip.
+            A loss that was already non-finite is reported as a forward overflow even before they are armed.
+            ``"forward"``: the forward checks from the first step, so a run that stops at its first skip names
+            the module too.
         gemm: how 16-bit matrix products run: ``"auto"`` (default) emulates them with FP32 GEMMs on the 16-bit
             values only where the device has no native 16-bit arithmetic (many CPUs do bf16 but not fp16);
             ``"native"`` always uses torch's 16-bit kernels; ``"emulated"`` always emulates.
@@ -106,15 +112,20 @@ class MixedPrecisionPlugin(CoreViews, Precision):
         self.core.teardown()
 
     # ------------------------------------------------------------------ forward
+    def autocast_context_manager(self) -> contextlib.AbstractContextManager:
+        """The forward's context, as Lightning's ``MixedPrecision`` names it: ``torch.autocast`` to the 16-bit format,
+        plus GEMM emulation and the FP32 policy's fallback where they apply (a no-op in fp32)."""
+        return self.core.forward_context()
+
     @override
     def forward_context(self) -> contextlib.AbstractContextManager:
-        return self.core.forward_context()
+        return self.autocast_context_manager()
 
     @override
     @contextlib.contextmanager
     def train_step_context(self) -> Generator[None, None, None]:
         self.core.begin(force=True)  # a write through `.data` (WGAN's clamp) moves no version counter
-        with self.core.forward_context():
+        with self.forward_context():  # a subclass's override is entered, as Lightning's Precision does
             yield
         if self._lightning_module is not None and not self._lightning_module.automatic_optimization:
             self.core.fold()  # a bare loss.backward() in training_step
@@ -123,7 +134,7 @@ class MixedPrecisionPlugin(CoreViews, Precision):
     @contextlib.contextmanager
     def _eval_step_context(self) -> Generator[None, None, None]:
         self.core.begin(force=False)
-        with self.core.forward_context():
+        with self.forward_context():
             yield
 
     @override
@@ -141,6 +152,7 @@ class MixedPrecisionPlugin(CoreViews, Precision):
     # ------------------------------------------------------------------ backward
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
+        self.core.before_backward()  # lean bf16: a second micro-batch sums into FP32 gradients
         return super().pre_backward(self.core.scale_loss(tensor), module)
 
     @override
@@ -160,18 +172,19 @@ class MixedPrecisionPlugin(CoreViews, Precision):
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        if isinstance(optimizer, LBFGS):
-            after = lambda: self._after_closure(model, optimizer)  # noqa: E731
-            return self.core.closure_step(optimizer, closure, after, self._step_no(), **kwargs)
-        closure_result = closure()
+        closure_result = closure()  # evaluated first: the skip decision comes before optimizer.step
         if closure_result is None and model.automatic_optimization:
             # training_step returned None: Lightning's convention for "skip this batch", not an overflow
             self.core.fold()
             self._after_closure(model, optimizer)
             return None
         self.core.unscale_(optimizer)
-        self._after_closure(model, optimizer)  # hooks and clipping: true FP32 gradients
-        output = self.core.optimizer_step(optimizer, **kwargs)
+        after = lambda: self._after_closure(model, optimizer)  # noqa: E731
+        after()  # hooks and clipping: true FP32 gradients
+        # the optimizer gets a closure, as without a plugin: its first call returns this evaluation, a later one
+        # (LBFGS, SAM) evaluates again; in manual optimization opt.step(closure) returns the loss
+        replay = self.core.replay_closure(optimizer, closure_result, closure, after, self._step_no())
+        output = self.core.optimizer_step(optimizer, closure=replay, **kwargs)
         if model.automatic_optimization:
             self._end_training_step()
         return output
@@ -189,6 +202,7 @@ class MixedPrecisionPlugin(CoreViews, Precision):
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer: the step keys the raw one
         if self.core.unscale_(optimizer):
             return  # the step is skipped: clipping inf/NaN gradients would only compute NaN norms
+        self.core.before_clipping(optimizer)  # lean bf16: clip FP32 gradients
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     def _end_training_step(self) -> None:

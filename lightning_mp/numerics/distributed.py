@@ -1,4 +1,4 @@
-"""The two collectives mixed precision needs under data parallelism.
+"""The collectives mixed precision needs under data parallelism.
 
 * The overflow decision must be the same on every rank, or ranks skip different steps and their weights drift
   apart. DDP's gradient averaging usually spreads an inf to every rank, but not always (a NaN can be produced
@@ -10,6 +10,10 @@
   gradients are averaged once per optimizer step, after all micro-batches, as Megatron reduces its FP32
   ``main_grad``. Cost: an all-reduce of 4 bytes per parameter per step, in place on the flat FP32 gradient
   buffer, not overlapped with the backward pass.
+* The autopilot's decisions (``fp32_modules="auto"``): a module one rank moves to FP32 must move on every rank, or
+  the ranks' gradient buffers stop matching (DDP: the next all-reduce aborts or hangs) or compute in different
+  precisions (FSDP2). Each rank's proposals are agreed with the same MAX all-reduce as the overflow flag
+  (:func:`agree_on_max_`, see :mod:`lightning_mp.core.autopilot` for what is reduced and its cost).
 """
 
 from __future__ import annotations
@@ -25,11 +29,16 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def agree_on_max_(values: Tensor) -> Tensor:
+    """All ranks end with each element's largest value over the ranks (in place); a no-op in a single process."""
+    if world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values
+
+
 def agree_on_overflow_(found_inf: Tensor) -> Tensor:
     """All ranks end with the largest flag of any rank (in place); a no-op in a single process."""
-    if world_size() > 1:
-        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
-    return found_inf
+    return agree_on_max_(found_inf)
 
 
 @torch.no_grad()

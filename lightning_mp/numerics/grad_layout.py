@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import chain
 from typing import NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors
 from torch.optim import Optimizer
 
@@ -225,3 +225,13 @@ def non_finite_flag(groups: Groups) -> Tensor:
 @functools.lru_cache(maxsize=None)
 def _one(device: torch.device) -> Tensor:
     return torch.ones((), dtype=torch.float32, device=device)
+
+
+def named_grads(root: nn.Module | None, optimizer: Optimizer | None = None) -> Iterator[tuple[str, Tensor]]:
+    """(parameter name under ``root``, the gradient the optimizer reads), for one optimizer's parameters or all."""
+    if root is None:
+        return
+    allowed = None if optimizer is None else {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for name, p in root.named_parameters():
+        if p.grad is not None and (allowed is None or id(p) in allowed):
+            yield name, p.grad

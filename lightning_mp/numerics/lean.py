@@ -1,12 +1,16 @@
 """Lean bf16 (``master_weights="compensated"``): the model is a bf16 model, and its FP32 masters live on exactly.
 
-Each trainable FP32 parameter outside the FP32-kept modules becomes bf16 for good (its ``.data``, the round to nearest
-of the master) and gets an int16 remainder, so that the pair rebuilds the FP32 master bit for bit
-(:mod:`lightning_mp.numerics.compensated`). The forward and backward run on the bf16 parameters (gradients are bf16
-until the step); the user's optimizer steps on FP32 values rebuilt bucket by bucket inside the step and split back.
-With ``optimizer_state_dtype=torch.bfloat16`` its per-element floating state (Adam's moments, momentum) is kept in
-bf16 between steps, stochastically rounded. Live bytes per parameter under AdamW: 2 + 2 + 2 + 8 = 14, or 10 with bf16
-state, against 18 for FP32 masters with 16-bit copies and 16 for FP32 training.
+Each trainable FP32 parameter outside the FP32-kept modules becomes bf16 for good (its ``.data``, torch's cast of the
+master) and gets an int16 remainder and a tie bit, which rebuild the FP32 master bit for bit
+(:mod:`lightning_mp.numerics.compensated`). The forward and backward run on the bf16 parameters; the user's optimizer
+steps on FP32 values rebuilt bucket by bucket inside the step and split back. With
+``optimizer_state_dtype=torch.bfloat16`` its per-element floating state (Adam's moments, momentum) is kept in bf16
+between steps, stochastically rounded. Live bytes per parameter under AdamW: 2 + 2 + 0.125 + 2 + 8 = 14.125, or
+10.125 with bf16 state, against 18 for FP32 masters with 16-bit copies and 16 for FP32 training.
+
+Gradients, as FP32 masters have them: summed over micro-batches (:meth:`LeanBf16.before_backward`) and clipped
+(:meth:`LeanBf16.before_clipping`) in FP32 where no process group reduces them, then rounded back to bf16 by the
+step: :mod:`lightning_mp.numerics.lean_grads`.
 
 What stays exact: ``model.state_dict()`` holds the rebuilt FP32 masters (checkpoints are precision-agnostic, as with
 FP32 masters), ``load_state_dict`` splits FP32 values back exactly, an optimizer checkpoint's FP32 state is restored
@@ -28,10 +32,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.numerics.compensated import CompensatedStep, split_
+from lightning_mp.numerics.lean_grads import grads_of, retype_grads, upcast_accumulated
 from lightning_mp.numerics.parity import ParityGuard
 from lightning_mp.numerics.sharding import assign, like, local, reload_shards, require_gather_dtype
 
@@ -123,6 +129,27 @@ class LeanBf16:
                 reload_shards(self._sharded)
         self.steps, self._names, self._guards, self._sharded = None, {}, {}, None
 
+    # ------------------------------------------------------------------ gradients
+    def before_backward(self) -> None:
+        """A backward is about to add into the gradients already there (an earlier micro-batch's): the bf16 ones
+        become FP32 first (exact), so micro-batches sum in FP32, as FP32 masters sum theirs (cost and why:
+        :func:`~lightning_mp.numerics.lean_grads.upcast_accumulated`)."""
+        if self._fp32_grads():
+            upcast_accumulated(self.steps.params)
+
+    def before_clipping(self, optimizer: Optimizer) -> None:
+        """Clipping is about to read this optimizer's gradients: the bf16 ones become FP32 (exact), so the norm and
+        the scaled gradients the step reads are computed in FP32, as over FP32 masters (scaled in bf16 they would be
+        rounded again). 4 B per element instead of 2 from here to the end of the step, when no activations are held."""
+        if self._fp32_grads():
+            retype_grads(grads_of(optimizer, self._names, torch.bfloat16), torch.float32)
+
+    def _fp32_grads(self) -> bool:
+        # Under DDP the reducer copies the gradients into buckets of the parameters' dtype (an FP32 one would not fit)
+        # and under FSDP2 the reduce-scatter writes bf16 shards: there gradients stay bf16, micro-batches under
+        # no_sync sum in bf16. Any process group counts, one rank's too: DDP wraps a single-rank model as well.
+        return self.steps is not None and self._sharded is None and not _distributed()
+
     # ------------------------------------------------------------------ the step
     def master(self, p: nn.Parameter) -> Tensor:
         """The FP32 master of a converted parameter (a new tensor); other parameters as they are."""
@@ -144,6 +171,8 @@ class LeanBf16:
                     f"shadows, past one bf16 ulp ({DRIFT_WARNING:.3g}); {self.parity[1]:.1%} of the last step's updates "
                     "were lost. HINT: optimizer_state_dtype=torch.float32, or master_weights=True (FP32 masters)."
                 )
+        if self._fp32_grads():  # summed or clipped in FP32 for this step: bf16 again until the next window needs FP32
+            retype_grads(grads_of(optimizer, self._names, torch.float32), torch.bfloat16)
         return None
 
     def _guard(self, optimizer: Optimizer) -> ParityGuard | None:
@@ -172,15 +201,16 @@ class LeanBf16:
             value = next((state[prefix + n] for n in names if prefix + n in state), None)
             if not isinstance(value, Tensor) or value.shape != p.shape:
                 continue  # missing or mismatched: load_state_dict reports it
-            value, remainder = value.to(p.device), self.steps.remainders[p]
+            value, remainder, ties = value.to(p.device), self.steps.remainders[p], self.steps.ties[p]
             if local(value).shape != remainder.shape:
                 continue  # a full tensor for a sharded parameter: load_state_dict reports it
             if value.dtype == torch.float32:
                 hi = like(p, split_(local(value).contiguous(), torch.empty_like(remainder, dtype=torch.bfloat16),
-                                    remainder)[0])
+                                    remainder, ties)[0])
             else:
                 hi = value.to(torch.bfloat16)
                 remainder.zero_()  # a bf16 checkpoint: its values are the masters
+                ties.zero_()
             for n in names:
                 if prefix + n in state:
                     state[prefix + n] = hi
@@ -220,6 +250,10 @@ def lean_bf16(fmt: Any, master_weights: Any, optimizer_state_dtype: Any, parity_
             "exact: there is nothing to guard). HINT: parity_guard=0."
         )
     return LeanBf16(optimizer_state_dtype or torch.float32, float(parity_guard)) if compensated else None
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def _upcast(state_dict: dict) -> dict:

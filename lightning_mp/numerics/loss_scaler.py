@@ -228,8 +228,11 @@ class LossScaler:
                     )
                 self._set_scale(new_scale)
         if self.consecutive_skips >= self.max_consecutive_skips:
+            # the scale this step's backward used (the skip line's, ``last_step_scale``'s), not the one after backoff
+            used = self.last_step_scale
+            moved = f" (backed off to {self.scale:g} after it)" if self.scale != used else ""
             raise FloatingPointError(
-                f"Non-finite gradients at {where} with loss scale {self.scale:g}: {self.consecutive_skips} "
+                f"Non-finite gradients at {where} with loss scale {used:g}{moved}: {self.consecutive_skips} "
                 f"optimizer steps in a row were skipped (max_consecutive_skips={self.max_consecutive_skips}). "
                 f"{_HINT}"
             )
@@ -253,7 +256,15 @@ class LossScaler:
         missing = {"scale", "growth_tracker", "hysteresis_tracker", "skipped_steps"} - set(state)
         if missing:
             raise KeyError(f"loss scaler state is missing {sorted(missing)}; got keys {sorted(state)}.")
-        if self.dynamic and state.get("mode", "dynamic") == "dynamic":
+        mode = state.get("mode", "dynamic")
+        if not _is_saved_mode(mode):
+            # dropping the saved scale would restart a dynamic run at init_scale without a word
+            raise ValueError(
+                f"the checkpoint's loss scaler state has mode={mode!r}, which this lightning_mp does not know: "
+                "allowed are 'dynamic', a positive finite number (a static scale) or None (no scaling). "
+                "HINT: the checkpoint is corrupt or was written by another plugin; resume from one this plugin wrote."
+            )
+        if self.dynamic and mode == "dynamic":
             scale = float(state["scale"])
             if not math.isfinite(scale) or scale <= 0:
                 raise ValueError(f"saved loss scale {scale!r} is not a positive finite number.")
@@ -265,3 +276,10 @@ class LossScaler:
         self.last_step_skipped = bool(state.get("last_step_skipped", False))
         self.last_step_scale = float(state.get("last_step_scale", self.scale))
         self.steps = int(state.get("steps", 0))
+
+
+def _is_saved_mode(mode: Any) -> bool:
+    """Whether ``mode`` is one a :class:`LossScaler` can have saved: 'dynamic', None or a static scale."""
+    if mode is None or mode == "dynamic":
+        return True
+    return isinstance(mode, (int, float)) and not isinstance(mode, bool) and math.isfinite(mode) and mode > 0

@@ -11,8 +11,8 @@ own; only a module's own forward sees them:
   the parameters' names (instance attributes win over ``nn.Module.__getattr__``, which reads ``_parameters``); after
   it, however it ends, they come out (:mod:`.bracket`). So ``self.weight`` inside ``forward`` is the 16-bit copy, and
   ``module.weight``, ``parameters()`` and ``state_dict()`` everywhere else are the FP32 Parameters. Activation
-  checkpointing re-runs the forward and reads the same copies (refreshed only when their master changed, never in
-  the middle of a graph). Which parameters each module owns is checked once per step, at the refresh: a parameter
+  checkpointing re-runs the forward and reads the same copies (refreshed only when their master changed). Which
+  parameters each module owns is checked once per step, at the refresh: a parameter
   replaced, pruned, frozen or unfrozen between steps is seen at the next step's first forward.
 * the copies are autograd leaves; after each backward :meth:`MasterWeights.fold_grads` adds their 16-bit gradients
   into the Parameters' FP32 ``.grad`` and drops them. ``zero_grad``, accumulation, ``retain_graph`` and several
@@ -23,27 +23,25 @@ own; only a module's own forward sees them:
   Lightning's ``bf16-mixed`` semantics, also exact.
 
 Refresh (one fused cast-copy, round to nearest): lazily, at the first hooked forward after :meth:`begin` or
-:meth:`mark_stale`, so a write in ``training_step`` before the forward (WGAN's ``p.data.clamp_``) is seen.
-``begin(force=True)`` refreshes every trainable copy (``.data`` writes do not move a tensor's version counter);
-otherwise a copy is refreshed when its master's version counter or storage moved. A frozen parameter's copy is
-therefore made once and reused until its value changes through ordinary tensor ops (``load_state_dict``, writes
-under ``torch.no_grad()``); a write through ``.data`` to a *frozen* parameter is not seen until the next forced
-refresh of that parameter (unfreeze it, or write it under ``torch.no_grad()`` instead).
+:meth:`mark_stale`, so a write in ``training_step`` before the forward (WGAN's ``p.data.clamp_``) is seen. A copy
+that a graph not yet back-propagated still holds (a GAN's ``fake = G(z)`` across the discriminator's step) is
+refreshed into another tensor instead of in place, and its gradient still folds into the FP32 ``.grad`` when that
+graph's backward comes (:mod:`.copies`): that graph back-propagates through the values it was built with, as under
+``bf16-mixed``. The copy goes back into the flat buffer at its first refresh after the graph let it go.
+``begin(force=True)`` refreshes every trainable copy (``.data`` writes do not move a version counter); otherwise a
+copy is refreshed when its master's version counter or storage moved (a frozen parameter's copy is made once).
 
-What is converted: FP32 parameters outside the FP32-kept subtrees (``keep_fp32(module)``: every parameter under a
-kept module stays FP32 and gets no copy, children included), and trainable 16-bit parameters, which get an FP32
-master once, with a warning (the bits already lost stay lost). Frozen 16-bit parameters stay 16-bit (2 B/param,
-as under ``bf16-true``) until unfrozen. float64, complex and integer parameters keep their dtype, as under Lightning's
-plugin. ``nn.Embedding(max_norm=...)`` renormalises its weight in ``forward``, so it reads its FP32 Parameter.
+What is converted (``docs/behaviour.md``, "Where the 16-bit copies live"): FP32 parameters outside the FP32-kept
+subtrees, and trainable 16-bit ones (an FP32 master once, with a warning); frozen 16-bit, float64, complex and integer
+parameters and ``nn.Embedding(max_norm=...)`` keep theirs.
 
 Memory per converted parameter: 4 B FP32 parameter + 2 B copy + 4 B FP32 gradient + optimizer state. Copies and FP32
 gradients are views of one flat buffer per device each, allocated when the parameter set changes; a steady step
-allocates nothing.
+allocates nothing (a step that refreshes a copy a live graph holds allocates that copy once more).
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 from functools import partial
 from itertools import repeat as _repeat
@@ -53,10 +51,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
-from lightning_mp.formats import HALF_DTYPES
 from lightning_mp.numerics import without_grad
 from lightning_mp.numerics.bracket import bracket, unbracket
-from lightning_mp.numerics.copies import flat_views, fold_grads
+from lightning_mp.numerics.conversion import choose, warn_upcast
+from lightning_mp.numerics.copies import flat_views, fold_grads, fold_retired, in_a_graph, none_held, refresh_apart
 
 _DTYPE, _DEVICE, _VERSION = attrgetter("dtype"), attrgetter("device"), attrgetter("_version")
 _REQUIRES_GRAD, _DATA_PTR = attrgetter("requires_grad"), Tensor.data_ptr
@@ -87,7 +85,11 @@ class MasterWeights:
         self._built = False
         # per converted parameter: Parameter, copy, FP32 gradient view, (data_ptr, version) at the last refresh
         self.params: list[nn.Parameter] = []
-        self._copies: list[Tensor] = []
+        self._copies: list[Tensor] = []  # what the forwards read: its home, or another tensor while a graph holds that
+        self._homes: list[Tensor] = []  # each copy's place in the flat buffer
+        self._uses: list[list[tuple[dict, str]]] = []  # per copy, the install dicts (and names) that hold it
+        self._away = False  # a copy is not in its home
+        self._retired: list[tuple[nn.Parameter, Tensor]] = []  # copies replaced while a graph held them (.copies)
         self._grad_views: list[Tensor] = []
         self._seen: list[tuple[int, int] | None] = []
         self._dtypes, self._devices = [], []  # the masters' dtypes and the copies' devices at the build
@@ -117,70 +119,37 @@ class MasterWeights:
     @torch.no_grad()
     def _build(self) -> None:
         """Choose the converted parameters, hook their modules and (re)allocate the flat buffers."""
-        kept: set[nn.Parameter] = set()
-        for root in self._roots:
-            for mod in root.modules():
-                if self._keep_fp32(mod) or isinstance(mod, nn.utils.parametrize.ParametrizationList):
-                    # the whole subtree computes in FP32; parametrizations compute from FP32 originals
-                    kept.update(mod.parameters())
-                elif isinstance(mod, nn.Embedding) and mod.max_norm is not None:
-                    kept.update(mod.parameters(recurse=False))  # renormalises its weight in place in forward
-        params: list[nn.Parameter] = []
-        slot: dict[nn.Parameter, int] = {}
-        owners: list[tuple[nn.Module, list[tuple[str, nn.Parameter, int]]]] = []
-        upcast, upcast_dtype = 0, None
+        params, slot, owners, upcast = choose(self._roots, self._keep_fp32)
         roots = {id(root) for root in self._roots}
-        for root in self._roots:
-            for mod in root.modules():
-                own = []
-                for name, p in mod._parameters.items():
-                    # a plain tensor in a Parameter's place: torch.func.functional_call's, for one call
-                    if not isinstance(p, nn.Parameter) or not (is_lazy(p) or p.is_floating_point()):
-                        continue
-                    if p in kept:
-                        if p.dtype in HALF_DTYPES and p.requires_grad and not is_lazy(p):
-                            upcast, upcast_dtype = upcast + 1, p.dtype  # trains on FP32 values, no copy
-                            p.data = p.data.float()
-                        continue
-                    if is_lazy(p) or (p.dtype in HALF_DTYPES and not p.requires_grad):
-                        own.append((name, p, -1))  # re-examined when materialized or unfrozen
-                        continue
-                    if p.dtype in HALF_DTYPES:
-                        upcast, upcast_dtype = upcast + 1, p.dtype
-                        p.data = p.data.float()
-                    if p.dtype != torch.float32:
-                        continue  # float64: the user's explicit choice, trained as it is
-                    if p not in slot:
-                        slot[p] = len(params)
-                        params.append(p)
-                    own.append((name, p, slot[p]))
-                if own:
-                    owners.append((mod, own))
-                    if id(mod) not in self._hooked:
-                        # hooks for a lazy module: its own pre-hook materializes it, inside a swapped _call_impl
-                        handles = bracket(mod, self, hooks=id(mod) in roots or any(i < 0 for _, _, i in own))
-                        self._handles.extend(handles)
-                        if handles:
-                            self._hooked.add(id(mod))
-                        else:
-                            self._swapped[id(mod)] = mod
+        for mod, own in owners:
+            if id(mod) not in self._hooked:
+                # hooks for a lazy module: its own pre-hook materializes it, inside a swapped _call_impl
+                handles = bracket(mod, self, hooks=id(mod) in roots or any(i < 0 for _, _, i in own))
+                self._handles.extend(handles)
+                if handles:
+                    self._hooked.add(id(mod))
+                else:
+                    self._swapped[id(mod)] = mod
         if upcast and not self._warned:
             self._warned = True
-            warnings.warn(
-                f"{upcast} trainable parameters were already in {upcast_dtype} before fit: their FP32 masters start from the "
-                "16-bit values, so the bits lost in that cast stay lost. HINT: build or load the model in FP32 and "
-                "let MixedPrecisionPlugin make the 16-bit copies (frozen 16-bit parameters stay 16-bit).",
-                stacklevel=3,
-            )
+            warn_upcast(*upcast)
+        # copies that a graph not yet back-propagated holds (the forward that materialized a lazy module, say) keep
+        # their gradients: they fold into their Parameters' .grad when that backward comes
+        self._retired += [(p, c) for p, c in zip(self.params, self._copies) if in_a_graph(c)]
         self.params = params
         self._slot_of = {id(p): i for p, i in slot.items()}
-        self._copies = flat_views(params, self.dtype, leaf=True)
+        self._homes = flat_views(params, self.dtype, leaf=True)
+        self._copies, self._away = list(self._homes), False
+        self._uses = [[] for _ in params]
         self._grad_views = flat_views(params, torch.float32, leaf=False)
         # what each forward installs, and what the refresh checks once per step
         self._installs, self._recheck = {}, set()
         self._owners, self._names, self._owned, self._waiting = [], [], [], []
         for mod, own in owners:
             install = {name: self._copies[i] for name, _, i in own if i >= 0}
+            for name, _, i in own:
+                if i >= 0:
+                    self._uses[i].append((install, name))
             if install:
                 owned = tuple(p for _, p, i in own if i >= 0)
                 installed = (tuple(install), (None,) * len(install))
@@ -242,14 +211,21 @@ class MasterWeights:
             list(map(Tensor.requires_grad_, copies, requires_grad))
             self._requires_grad = requires_grad
         marks = list(zip(map(_DATA_PTR, params), map(_VERSION, params)))
-        if force and all(requires_grad):  # the Trainer's training step: every copy
+        every = force and all(requires_grad)
+        if every:  # the Trainer's training step: every copy
             dst, src = copies, params
         else:
             stale = [i for i, (p, was, now) in enumerate(zip(params, self._seen, marks))
                      if was != now or (force and p.requires_grad)]
             dst, src = [copies[i] for i in stale], [params[i] for i in stale]
-        if dst:  # round to nearest, one fused pass, outside grad mode (the copies are leaves that require grad)
+        if dst and not self._away and none_held(dst, every):
+            # the steady step: in place, round to nearest, one fused pass, outside grad mode (the copies are leaves
+            # that require grad)
             _copy_(dst, src)
+        elif dst:  # a graph still holds a copy, or held one at the last refresh: a Python pass
+            which = range(len(params)) if dst is copies else stale
+            self._retired = refresh_apart(which, params, copies, self._homes, self._uses, self._retired)
+            self._away = any(map(is_not, copies, self._homes))
         self._seen = marks
 
     def enter(self, module: nn.Module) -> tuple[tuple[str, ...], tuple[None, ...]] | None:
@@ -277,6 +253,8 @@ class MasterWeights:
     def fold_grads(self) -> None:
         """Add the copies' 16-bit gradients into the Parameters' FP32 ``.grad`` and drop them (:func:`.fold_grads`)."""
         fold_grads(self.params, self._copies, self._grad_views)
+        if self._retired:
+            self._retired = fold_retired(self._retired, self._slot_of, self._grad_views)
 
     # ------------------------------------------------------------------ teardown
     def remove(self) -> None:

@@ -9,6 +9,8 @@ Per optimizer, a training step moves READY -> UNSCALED -> STEPPED (torch's ``Gra
   skip-or-step needs, and the only one the step makes (on CUDA nothing else reads the device).
 * :meth:`step` unscales if that has not happened yet, then skips (an overflow anywhere in this training step,
   this optimizer's or an earlier one's) or calls ``optimizer.step()``.
+* :meth:`replay` is the closure ``optimizer.step`` gets, as without a plugin: the evaluation that decided the step
+  first, a fresh one (unscaled and checked again) at each later call (LBFGS, SAM).
 * :meth:`end_training_step` moves the scale once per training step, however many optimizers stepped (Lightning's
   own AMP moves it once per optimizer, which makes the scale grow too fast with GANs).
 
@@ -126,6 +128,36 @@ class MixedPrecisionStep:
             return None
         return self.apply(optimizer, **kwargs)
 
+    def replay(self, optimizer: Optimizer, first: Any, evaluate: Callable[[], Any], after: Callable[[], None],
+               step: int | None = None) -> Callable[[], Any]:
+        """The closure ``optimizer.step`` gets once an evaluation (its result: ``first``) decided skip-or-step.
+
+        Its first call returns ``first`` (that evaluation's unscaled gradients are in ``.grad``), so an optimizer that
+        calls it once (SGD, Adam) costs no second forward and backward, and returns the loss. Every later call (LBFGS's
+        line search, SAM's second point) runs ``evaluate()``, unscales and checks this optimizer's gradients again
+        (one more host sync) and calls ``after()`` (the hooks that follow a closure). A non-finite re-evaluation
+        raises ``FloatingPointError``: the optimizer has already moved the parameters, the step cannot be skipped."""
+        calls = 0
+
+        def closure() -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return first
+            result = evaluate()
+            self.forget(optimizer)
+            if self.unscale_(optimizer):
+                raise FloatingPointError(
+                    f"Non-finite gradients at step {step} with loss scale {self.scaler.scale:g} when "
+                    f"{type(optimizer).__name__} re-evaluated its closure inside step(), after moving the "
+                    "parameters: the step cannot be skipped halfway. HINT: lower the learning rate (SAM: rho), "
+                    "or the loss scale (a static loss_scale=<number>, or precision='bf16')."
+                )
+            after()
+            return result
+
+        return closure
+
     def end_training_step(self, step: int | None = None) -> None:
         """Move the scale once for the training step that ends; a no-op if no optimizer was unscaled in it.
 
@@ -184,7 +216,14 @@ class MixedPrecisionStep:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         version = state.get("version", 1)
-        if not isinstance(version, int) or version > _STATE_VERSION:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            # not a newer format (upgrading would not help): a foreign or damaged state
+            raise ValueError(
+                f"the checkpoint's loss-scaling state has version={version!r}: allowed is an integer from 1 to "
+                f"{_STATE_VERSION}. HINT: the checkpoint is corrupt or was written by another plugin under this "
+                "plugin's key; resume from one this plugin wrote."
+            )
+        if version > _STATE_VERSION:
             raise ValueError(
                 f"loss-scaling state version {version!r} is newer than this lightning_mp understands "
                 f"(<= {_STATE_VERSION}). HINT: upgrade lightning_mp to resume this checkpoint."

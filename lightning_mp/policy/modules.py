@@ -75,7 +75,7 @@ def _holds_16_bit(module: nn.Module) -> bool:
     return False
 
 
-class _Fp32ForwardHooks:
+class Fp32ForwardHooks:
     """Forward pre-hook + always-called forward hook that run a module's forward in FP32.
 
     The pre-hook upcasts 16-bit floating inputs (args and kwargs, nested, e.g.

@@ -31,7 +31,7 @@ from lightning_mp.policy.aten import OpReach, kernel_plan, reach_of
 from lightning_mp.policy.describe import describe_policy
 from lightning_mp.policy.dispatch import Fp32Activation, switched_on
 from lightning_mp.policy.mode import _Fp32OpMode
-from lightning_mp.policy.modules import Fp32ModuleHandle, _Fp32ForwardHooks, needs_hooks, refuse_16_bit_batch_norm
+from lightning_mp.policy.modules import Fp32ModuleHandle, Fp32ForwardHooks, needs_hooks, refuse_16_bit_batch_norm
 from lightning_mp.policy.ops import (
     _DTYPE_OPS,
     BF16_FP32_OPS,
@@ -272,7 +272,7 @@ class Fp32Policy:
         except RuntimeError as err:
             raise ValueError(f"device_type {device_type!r} is not supported by torch.autocast: {err}") from None
 
-        hooks = _Fp32ForwardHooks(device_type)
+        hooks = Fp32ForwardHooks(device_type)
         modules: list[nn.Module] = []
         handles: list[Any] = []
         for module in root.modules():

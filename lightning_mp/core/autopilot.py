@@ -16,9 +16,16 @@ A backward overflow is the loss scaler's business and moves nothing. Decisions a
 forward runs the module in FP32), kept in order in :attr:`Autopilot.decisions`, logged, saved in the plugin's
 checkpoint state and re-applied on resume, so a resumed run computes exactly as the one it continues.
 
+**Every rank takes the same decisions** (DDP, FSDP2, one node or many): what a rank measures or locates is a
+proposal, and at the end of each calibration step and of each skipped step the ranks agree on them with one
+all-reduce (MAX), after which every rank moves the union, at the same step, with the same :class:`Decision`
+(:mod:`lightning_mp.core.agreement`: the table reduced, and why a rank must never decide alone).
+
 Cost: while calibrating, one ``amax`` of every floating input and output of every module and one host read each
 (about the locator's forward checks: 9-13% of a step on the demo models; on CUDA every read is a device sync).
-After calibration the hooks are gone: nothing per step beyond what the locator already costs.
+After calibration the hooks are gone: nothing per step beyond what the locator already costs. Across ranks: one
+all-reduce of 24 bytes per module (12 KB for a 500-module model) and its host read at the end of each calibration
+step and of each skipped step; none on a clean step after calibration, and none in one process.
 
 bf16 has FP32's exponent range: nothing short of an FP32 overflow reaches its threshold, so in bf16 ``"auto"``
 measures during calibration and, in practice, decides nothing. Demoting for *underflow* is not done: a bf16
@@ -38,8 +45,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
+from lightning_mp.core import agreement
+from lightning_mp.core.agreement import Agreed, Proposals
+from lightning_mp.doctor.report import OverflowReport
 from lightning_mp.formats import Format
-from lightning_mp.policy.modules import _Fp32ForwardHooks
+from lightning_mp.policy.modules import Fp32ForwardHooks
 from lightning_mp.policy.ops import DEFAULT_FP32_MODULES
 from lightning_mp.validation import check_int
 
@@ -82,11 +92,15 @@ class Autopilot:
         self.decisions: list[Decision] = []
         self._kept_by_class = kept
         self._kept: dict[int, nn.Module] = {}  # id -> the instances moved so far
-        self._pending: list[tuple[nn.Module, Decision]] = []
+        self._proposals = Proposals()  # this rank's, in the step in progress: the ranks agree at end_step
+        self._pending: list[tuple[nn.Module, Decision]] = []  # agreed (or restored): applied at the next forward
         self._restored: list[Decision] = []  # from a checkpoint or an earlier fit, applied when attached
         self._root: nn.Module | None = None
-        self._names: dict[int, str] = {}
+        self._modules: list[tuple[str, nn.Module]] = []  # the agreement's rows, in named_modules order
+        self._index: dict[str, int] = {}  # name -> row
+        self._rows: dict[int, int] = {}  # id(module) -> row
         self._device_type = "cpu"
+        self._device = torch.device("cpu")  # the model's: the agreement's all-reduce runs there
         self._steps = 0
         self._frames: list[list[Any]] = []  # calibration: [module, input amax, explained] per forward in flight
         self._calibration: list[Any] = []
@@ -105,7 +119,11 @@ class Autopilot:
     def attach(self, root: nn.Module, device_type: str) -> None:
         """Watch ``root`` (the module the reports name from): calibration hooks, and decisions a checkpoint held."""
         self._root, self._device_type = root, device_type
-        self._names = {id(m): name for name, m in root.named_modules()}
+        self._modules = list(root.named_modules())
+        self._index = {name: i for i, (name, _) in enumerate(self._modules)}
+        self._rows = {id(m): i for i, (_, m) in enumerate(self._modules)}
+        first = next(root.parameters(), None)
+        self._device = first.device if first is not None else torch.device("cpu")
         self._resolve_restored()
         if self._steps < self.calibration_steps:
             for module in root.modules():
@@ -121,17 +139,23 @@ class Autopilot:
         # the decisions stay listed, and the next attach (another fit with this plugin) applies them again
         self._restored = self.decisions + [d for _, d in self._pending]
         self._kept, self._pending, self._root = {}, [], None
+        self._proposals.clear()  # agreed by no rank: a next fit applies nothing of them
 
     # ------------------------------------------------------------------ decisions
-    def demote(self, name: str, evidence: str, step: int | None) -> bool:
-        """Move the module named ``name`` to FP32 from the next forward on; False if it cannot or already is."""
-        module = dict(self._root.named_modules()).get(name) if self._root is not None else None
-        if module is None or module is self._root:
-            if module is self._root and module is not None:
-                log.warning(f"the model's own forward overflowed {self.format.name} at step {step}: moving the root "
-                            "to FP32 would turn mixed precision off, so it stays. HINT: fix the scale of its values.")
+    def demote(self, report: OverflowReport) -> bool:
+        """Propose the module a forward overflow ``report`` names (the ranks agree at :meth:`end_step`, and it runs
+        in FP32 from the next forward on); False if it cannot move or already is FP32."""
+        if report.phase != "forward" or report.tensor not in agreement.LOCATED_TENSORS:
+            return False  # a backward overflow (the loss scaler's business), or a report naming no module
+        index = self._index.get(report.module) if report.module is not None else None
+        module = self._modules[index][1] if index is not None else None
+        if module is None or self.keeps(module) or self._kept_by_class(module):
             return False
-        return self._queue(module, Decision(name, step, evidence))
+        if module is self._root:
+            log.warning(f"the model's own forward overflowed {self.format.name}: moving the root to FP32 would turn "
+                        "mixed precision off, so it stays. HINT: fix the scale of its values.")
+            return False
+        return self._proposals.located(index, report)
 
     def _queue(self, module: nn.Module, decision: Decision) -> bool:
         if self.keeps(module) or self._kept_by_class(module) or any(m is module for m, _ in self._pending):
@@ -143,7 +167,7 @@ class Autopilot:
         """Between steps: the queued modules run in FP32 from now on. Returns whether any moved (the caller then
         rebuilds the 16-bit copies, since these parameters keep none from now on)."""
         moved = False
-        hooks = _Fp32ForwardHooks(self._device_type)
+        hooks = Fp32ForwardHooks(self._device_type)
         for module, decision in self._pending:
             if any(self.keeps(m) for m in _ancestors(module, self._root)):
                 continue  # an enclosing module went first: this one is FP32 already
@@ -152,7 +176,8 @@ class Autopilot:
             moved = True
             if decision not in self.decisions:  # not one an earlier fit of this plugin took already
                 self.decisions.append(decision)
-                log.warning(f"fp32_modules='auto': {decision}")
+                if agreement.rank() == 0:  # agreed: every rank took this decision, one line says it
+                    log.warning(f"fp32_modules='auto': {decision}")
         self._pending.clear()
         return moved
 
@@ -160,12 +185,34 @@ class Autopilot:
     def pending(self) -> bool:
         return bool(self._pending)
 
-    def end_step(self) -> None:
-        """One training step done; calibration ends after ``calibration_steps`` of them."""
+    def end_step(self, step: int | None = None, skipped: bool = False) -> None:
+        """One training step done (``step``: its number, for located overflows; ``skipped``: whether it was, the
+        flag every rank agreed on). Each rank calls it: at the end of a calibration step and of a skipped step the
+        ranks agree on what they proposed (one collective, see the module docstring), and the agreed modules move
+        at the next forward. Calibration ends after ``calibration_steps`` steps."""
+        if self._root is not None and (self._steps < self.calibration_steps or skipped):
+            self._agree(step)
         self._steps += 1
         self._frames.clear()
         if self._steps >= self.calibration_steps:
             self._stop_calibrating()
+
+    def _agree(self, step: int | None) -> None:
+        names = [name for name, _ in self._modules]
+        types = [type(module).__name__ for _, module in self._modules]
+        for agreed in self._proposals.agree(names, types, self._device):  # every rank: one collective
+            name, module = self._modules[agreed.index]
+            self._queue(module, self._decision(name, agreed, step))
+
+    def _decision(self, name: str, agreed: Agreed, step: int | None) -> Decision:
+        """The decision the ranks agreed on: the same text on every rank."""
+        if agreed.located is not None:
+            return Decision(name, step, f"the step overflowed there: {agreed.located}{agreed.where()}")
+        out, inputs = agreed.output_amax, agreed.input_amax
+        reached = "went non-finite" if not math.isfinite(out) else f"reached {out:.4g}"
+        evidence = (f"while calibrating, its output {reached} (threshold {self.format.name} max / {MARGIN:g} = "
+                    f"{self.threshold:.4g}) from inputs of at most {inputs:.4g}{agreed.where()}")
+        return Decision(name, self._steps, evidence)
 
     def describe(self) -> str:
         moved = "".join(f"\n  - {d}" for d in self.decisions) or " none so far"
@@ -173,7 +220,9 @@ class Autopilot:
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
-        return {"modules": self.modules, "calibrated_steps": self._steps}
+        # the agreed decisions not applied yet too: a checkpoint written between a step and the next forward has them
+        waiting = [d.module for _, d in self._pending] + [d.module for d in self._restored]
+        return {"modules": list(dict.fromkeys(self.modules + waiting)), "calibrated_steps": self._steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._steps = int(state.get("calibrated_steps", self.calibration_steps))
@@ -212,11 +261,7 @@ class Autopilot:
             for frame in self._frames:
                 frame[2] = True  # every enclosing module's big output is explained by this one
             if not explained and inputs < self.threshold and not self.keeps(module):
-                name = self._names.get(id(module), type(module).__name__)
-                reached = "went non-finite" if not math.isfinite(out) else f"reached {out:.4g}"
-                evidence = (f"while calibrating, its output {reached} (threshold {self.format.name} max / "
-                            f"{MARGIN:g} = {self.threshold:.4g}) from inputs of at most {inputs:.4g}")
-                self._queue(module, Decision(name, self._steps, evidence))
+                self._proposals.measured(self._rows[id(module)], out, inputs)  # the ranks agree at end_step
 
     def _stop_calibrating(self) -> None:
         for handle in self._calibration:

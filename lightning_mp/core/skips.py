@@ -1,0 +1,44 @@
+"""What a run says when a step is skipped, when it stops, and what it refuses at set-up for the same reason: a step
+that must be skippable (:class:`lightning_mp.core.MixedPrecisionCore` calls these)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch.optim import LBFGS, Optimizer
+
+from lightning_mp.doctor.report import OverflowReport
+
+
+def skip_line(step: int | None, scale: float, report: OverflowReport | None) -> str:
+    """The log line of a skipped step: its number, the scale after the backoff, and where it went non-finite."""
+    where = f": {report}" if report is not None else ""
+    if report is not None and not report.forward_checked:
+        where += "; the forward checks are armed now and name the module at the next skipped step"
+    return f"step {step} skipped (loss scale {scale:g}){where}"
+
+
+def stop_error(err: FloatingPointError, report: OverflowReport) -> FloatingPointError:
+    """The scaler's stop (step, scale, hint) with where the step first went non-finite."""
+    hint = ""
+    if not report.forward_checked:  # the run stops at the skip that armed the forward checks
+        hint = (" HINT: to name the module, rerun with locate_overflows='forward': the forward checks from "
+                "the first step (9-13% of a step) name it at the first skipped step.")
+    return FloatingPointError(f"{err} Where it first went non-finite: {report}.{hint}")
+
+
+def refuse_lbfgs(optimizers: Sequence[Optimizer], dynamic: bool, lean: bool) -> None:
+    """LBFGS re-evaluates its closure inside ``step()``: a dynamic scale's skip and lean bf16's buckets need a step
+    that can be skipped or split."""
+    if (dynamic or lean) and any(isinstance(opt, LBFGS) for opt in optimizers):
+        raise ValueError(
+            "LBFGS re-evaluates its closure inside step(), so a step with an overflow cannot be skipped and "
+            "buckets cannot step apart: loss_scale='dynamic' and master_weights='compensated' do not support it. "
+            "HINT: use a static loss_scale=<number>, or precision='bf16' with master_weights=True."
+        )
+
+
+def not_resumed(modules: list[str]) -> str:
+    """The warning for a checkpoint whose run moved modules to FP32 (``fp32_modules='auto'``), resumed without it."""
+    return (f"The checkpoint's run moved {modules} to FP32 (fp32_modules='auto'); this plugin does not, so the "
+            "resumed run computes differently. HINT: resume with fp32_modules='auto'.")
