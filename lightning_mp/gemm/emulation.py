@@ -89,9 +89,10 @@ EMULATED_OPS: frozenset = frozenset(
 _FP32_OUTPUTS = {aten._scaled_dot_product_flash_attention_for_cpu.default: (1,)}
 
 
-def _convolution_backward(grad_output: Tensor, input: Tensor, weight: Tensor, bias_sizes: Any, stride: Any,  # noqa: A002
-                          padding: Any, dilation: Any, transposed: bool, output_padding: Any, groups: int,
-                          output_mask: Any) -> tuple:
+def _convolution_backward(
+    grad_output: Tensor, input: Tensor, weight: Tensor, bias_sizes: Any, stride: Any, padding: Any,  # noqa: A002
+    dilation: Any, transposed: bool, output_padding: Any, groups: int, output_mask: Any,
+) -> tuple:
     """The FP32 ``convolution_backward`` with exactly the gradients ``output_mask`` asks for, as the 16-bit kernel it
     stands in for returns. oneDNN's FP32 kernel computes the weight gradient whenever the bias gradient is asked for
     and returns it unasked: a frozen weight with a trainable bias (autograd's mask ``[*, False, True]``) would pay a
