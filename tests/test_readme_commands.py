@@ -33,7 +33,7 @@ DRIVEN_ELSEWHERE = {
         "tests/test_examples.py::test_example_trains_and_logs_the_precision_tags_to_tensorboard",
     "python examples/train_gpt.py --config examples/configs/gpt_fp16.yaml":
         "tests/test_examples.py::test_example_trains_and_logs_the_precision_tags_to_tensorboard",
-    "python benchmarks/compare_precisions.py --max-steps 30 --output runs/compare":
+    "python benchmarks/compare_precisions.py --max-steps 30 --seeds 1 --output runs/compare":
         "tests/test_examples.py::test_compare_precisions_writes_one_row_per_run",
     "python benchmarks/compare_precisions.py --max-steps 800 --output runs/compare":
         "tests/test_examples.py::test_compare_precisions_writes_one_row_per_run",
