@@ -2,6 +2,7 @@
 
 import logging
 import math
+import threading
 
 import pytest
 import torch
@@ -143,12 +144,16 @@ def test_calibration_steps_is_checked_at_construction_with_or_without_auto():
     assert MixedPrecisionPlugin("fp16", calibration_steps=0).auto_fp32_modules == []
 
 
+_BUILD = threading.Lock()
+
+
 def _outlier_model():
     # Linear(16, 16) x 2e3 after a Linear: outputs of a few hundred from inputs below 0.1, about 1.3e4 from inputs
-    # of 20, past fp16's 65504 from inputs of 200
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16), nn.Sequential(_big_linear(2e3), nn.LayerNorm(16)), nn.Linear(16, 4))
-    return model
+    # of 20, past fp16's 65504 from inputs of 200. The lock: ranks faked as threads share torch's global generator,
+    # and interleaved initialisations would give each rank different weights.
+    with _BUILD:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), nn.Sequential(_big_linear(2e3), nn.LayerNorm(16)), nn.Linear(16, 4))
 
 
 def _fit_steps(pilot, model, batches, skipped=()):
