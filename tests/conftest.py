@@ -10,11 +10,57 @@ os.environ.setdefault("PL_DISABLE_FORK", "1")
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
+# The CUDA suite. `pytest --device cuda` (or LIGHTNING_MP_TEST_DEVICE=cuda) runs every test marked `on_device` (the
+# Trainer- and Fabric-level tests that make sense on a GPU) on the first CUDA device, with the same assertions;
+# `-m "on_device or cuda"` selects just those and the CUDA-only tests. Without a CUDA device they collect and skip
+# with the reason. Unmarked tests, and every test under the default `--device cpu`, run on the CPU.
+_DEVICE = {"name": "cpu"}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=os.environ.get("LIGHTNING_MP_TEST_DEVICE", "cpu"),
+        help="where tests marked on_device run (default: $LIGHTNING_MP_TEST_DEVICE or cpu)",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _test_device(request):
+    wanted = request.config.getoption("--device")
+    if wanted == "cuda" and request.node.get_closest_marker("on_device") is not None:
+        reason = request.node.get_closest_marker("cpu_only")
+        if reason is not None:
+            pytest.skip(f"--device cuda: {reason.args[0]}")
+        if not torch.cuda.is_available():
+            pytest.skip("--device cuda: needs a CUDA device")
+        # deterministic=True (trainer_kwargs) makes cuBLAS refuse to run without a fixed workspace
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        _DEVICE["name"] = "cuda"
+    yield
+    _DEVICE["name"] = "cpu"
+
+
+def device() -> str:
+    """The accelerator this test runs on: "cuda" for an `on_device` test under `--device cuda`, else "cpu"."""
+    return _DEVICE["name"]
+
+
+def cpu_only(reason):
+    """Keep an `on_device` test on the CPU (skipped under `--device cuda`), saying why."""
+    return pytest.mark.cpu_only(reason)
+
+
+def fabric(**kwargs):
+    """A one-device Fabric on :func:`device`."""
+    return L.Fabric(accelerator=device(), devices=1, **kwargs)
+
 
 def trainer_kwargs(**overrides):
-    """A quiet CPU trainer: no logger, no checkpoints, no progress bar unless a test asks for them."""
+    """A quiet trainer on :func:`device`: no logger, no checkpoints, no progress bar unless a test asks for them."""
     kwargs = dict(
-        accelerator="cpu",
+        accelerator=device(),
         devices=1,
         logger=False,
         enable_checkpointing=False,
