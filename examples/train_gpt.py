@@ -21,7 +21,7 @@ from lightning_mp.demos.progress import progress_bar_callbacks
 
 class TrainGPT(LightningCLI):
     def add_arguments_to_parser(self, parser):
-        parser.add_argument("--precision", default="bf16", help="fp32, fp16 or bf16 (MixedPrecisionPlugin).")
+        parser.add_argument("--precision", default="bf16", help="fp32, fp16, bf16 or fp8 (MixedPrecisionPlugin).")
         # the monitors are callbacks with their own YAML sections (loss_scale_monitor:, grad_range_monitor:)
         parser.add_lightning_class_args(LossScaleMonitor, "loss_scale_monitor")
         parser.add_lightning_class_args(GradientRangeMonitor, "grad_range_monitor")

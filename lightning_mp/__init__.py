@@ -13,6 +13,7 @@ from lightning_mp.doctor.report import OverflowReport
 from lightning_mp.formats import PRECISION_ALIASES, Format, resolve_precision
 from lightning_mp.lightning.plugin import MixedPrecisionPlugin
 from lightning_mp.monitors.activation_range import ActivationRangeMonitor
+from lightning_mp.monitors.fp8_statistics import Fp8StatisticsMonitor
 from lightning_mp.monitors.gradient_range import GradientRangeMonitor
 from lightning_mp.monitors.loss_scale import LossScaleMonitor
 from lightning_mp.numerics.grad_norm import grad_norm
@@ -43,6 +44,7 @@ __all__ = [
     "FP16_RANGE_OPS",
     "Format",
     "Fp32Policy",
+    "Fp8StatisticsMonitor",
     "GradientRangeMonitor",
     "LossScaleMonitor",
     "LossScaler",

@@ -15,10 +15,12 @@ _FORMATS = {
     "fp32": (torch.float32, "32-true", None),
     "fp16": (torch.float16, "16-mixed", "dynamic"),
     "bf16": (torch.bfloat16, "bf16-mixed", None),
+    # bf16 with the chosen Linears' GEMMs in FP8 through torchao (lightning_mp.fp8): the copies and autocast are bf16
+    "fp8": (torch.bfloat16, "bf16-mixed", None),
 }
 
 # the 16-bit compute formats, as dtypes
-HALF_DTYPES: tuple[torch.dtype, ...] = tuple(dtype for dtype, _, _ in _FORMATS.values() if dtype != torch.float32)
+HALF_DTYPES: tuple[torch.dtype, ...] = tuple(dict.fromkeys(d for d, _, _ in _FORMATS.values() if d != torch.float32))
 
 # every accepted spelling -> canonical name
 PRECISION_ALIASES: dict[str, str] = {
@@ -30,6 +32,7 @@ PRECISION_ALIASES: dict[str, str] = {
     "16-mixed": "fp16",
     "bf16": "bf16",
     "bf16-mixed": "bf16",
+    "fp8": "fp8",
 }
 
 
@@ -45,9 +48,10 @@ _HINTS = {
     "float32": " HINT: write 'fp32'.",
     "64": " HINT: float64 parameters train as they are under 'bf16' or 'fp16'; for float64 compute use no plugin.",
     "transformer-engine": " HINT: FP8 through Transformer Engine is Lightning's own "
-    "`TransformerEnginePrecision`; this plugin computes in fp16 or bf16.",
+    "`TransformerEnginePrecision`; this plugin's FP8 is 'fp8' (torchao's float8 training).",
     "transformer-engine-float16": " HINT: FP8 through Transformer Engine is Lightning's own "
-    "`TransformerEnginePrecision`; this plugin computes in fp16 or bf16.",
+    "`TransformerEnginePrecision`; this plugin's FP8 is 'fp8' (torchao's float8 training).",
+    "float8": " HINT: write 'fp8'.",
 }
 
 

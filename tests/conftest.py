@@ -38,7 +38,11 @@ def _test_device(request):
         # deterministic=True (trainer_kwargs) makes cuBLAS refuse to run without a fixed workspace
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         _DEVICE["name"] = "cuda"
+    # deterministic=True leaves torch's deterministic mode on for the rest of the process, where on CUDA ops such as
+    # a floating cumsum then raise: each test starts from the mode it found
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     yield
+    torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
     _DEVICE["name"] = "cpu"
 
 
@@ -50,6 +54,18 @@ def device() -> str:
 def cpu_only(reason):
     """Keep an `on_device` test on the CPU (skipped under `--device cuda`), saying why."""
     return pytest.mark.cpu_only(reason)
+
+
+def module_device(request) -> str:
+    """:func:`device` for a module-scoped fixture whose tests are all `on_device`. Such a fixture is set up before the
+    per-test switch above, so it reads `--device` itself and passes what this returns on (``accelerator=``); without a
+    CUDA device it skips, and with it every test that shares the fixture."""
+    if request.config.getoption("--device") != "cuda":
+        return "cpu"
+    if not torch.cuda.is_available():
+        pytest.skip("--device cuda: needs a CUDA device")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    return "cuda"
 
 
 def fabric(**kwargs):

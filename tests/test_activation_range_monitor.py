@@ -33,6 +33,7 @@ def run(model, monitor, logger, plugin=None, **kwargs):
 
 
 # ---------------------------------------------------------------------------------------------- what is logged
+@pytest.mark.on_device
 def test_fractions_are_logged_on_the_sampled_steps_only():
     logger = RecordingLogger()
     run(TinyRegressor(), ActivationRangeMonitor(every_n_steps=2), logger)
@@ -41,6 +42,7 @@ def test_fractions_are_logged_on_the_sampled_steps_only():
     assert all(v == 0.0 for _, v in logger.series(OVER))  # a small MLP on unit data is far from 65504
 
 
+@pytest.mark.on_device
 def test_per_module_amax_is_logged_for_every_module_with_the_model_as_model():
     logger = RecordingLogger()
     run(TinyRegressor(), ActivationRangeMonitor(every_n_steps=3, per_module=True), logger)
@@ -54,6 +56,7 @@ def test_per_module_amax_is_logged_for_every_module_with_the_model_as_model():
     assert last["precision/activation_amax/net.1"] <= last["precision/activation_amax/net.0"]  # ReLU only shrinks
 
 
+@pytest.mark.on_device
 def test_an_overflow_in_fp32_is_found_and_named_once_with_the_remedy():
     logger = RecordingLogger()
     monitor = ActivationRangeMonitor(every_n_steps=2)
@@ -65,6 +68,7 @@ def test_an_overflow_in_fp32_is_found_and_named_once_with_the_remedy():
     assert all(v > 0.3 for _, v in logger.series(OVER))  # Scale, ReLU and the last Linear's outputs
 
 
+@pytest.mark.on_device
 def test_works_with_the_plugin_in_every_format_and_with_lightnings_own_precision():
     for plugin, precision in [(MixedPrecisionPlugin("fp16"), None), (MixedPrecisionPlugin("bf16"), None),
                               (None, "bf16-mixed")]:  # fmt: skip
@@ -74,6 +78,7 @@ def test_works_with_the_plugin_in_every_format_and_with_lightnings_own_precision
         assert monitor.fp16_overflow_modules == [], (plugin, precision)
 
 
+@pytest.mark.on_device
 def test_a_logger_without_histograms_gets_the_scalars_and_one_warning():
     logger = RecordingLogger()
     messages = run(TinyRegressor(), ActivationRangeMonitor(every_n_steps=1), logger)
@@ -81,11 +86,13 @@ def test_a_logger_without_histograms_gets_the_scalars_and_one_warning():
     assert len([m for m in messages if "only the scalars" in m]) == 1
 
 
+@pytest.mark.on_device
 def test_no_logger_is_refused_at_fit():
     with pytest.raises(MisconfigurationException, match="ActivationRangeMonitor.*no logger"):
         run(TinyRegressor(), ActivationRangeMonitor(), logger=False)
 
 
+@pytest.mark.on_device
 def test_the_hooks_are_off_between_sampled_steps_and_after_fit():
     seen = []
 

@@ -11,13 +11,15 @@ from torch import nn
 
 from lightning_mp import GradientRangeMonitor, LossScaleMonitor, MixedPrecisionPlugin, ranges_plot
 from lightning_mp.monitors.activation_range import ActivationRangeMonitor
-from tests.conftest import regression_data, trainer_kwargs
+from tests.conftest import module_device, regression_data, trainer_kwargs
 from tests.test_activation_range_monitor import needs_matplotlib
 from tests.test_callbacks_integration import events, left_edges, scalars
 from tests.test_overflow_locator import Scale
 from tests.test_overflow_locator_integration import Middle
 
 HIST, IMAGE = "precision/activation_log2_magnitude", "precision/ranges_vs_formats"
+
+pytestmark = pytest.mark.on_device  # every test here is a Trainer run
 OVER, UNDER = "precision/activation_overflow_fraction", "precision/activation_underflow_fraction"
 
 
@@ -32,10 +34,11 @@ class Fill(nn.Module):
         return x * 0 + self.value
 
 
-def fit(model, callbacks, log_dir, plugin=None, max_steps=4):
+def fit(model, callbacks, log_dir, plugin=None, max_steps=4, **kwargs):
     logger = TensorBoardLogger(log_dir)
     plugins = [plugin] if plugin is not None else []
-    trainer = L.Trainer(plugins=plugins, callbacks=callbacks, **trainer_kwargs(logger=logger, max_steps=max_steps, log_every_n_steps=1))
+    kwargs.update(logger=logger, max_steps=max_steps, log_every_n_steps=1)
+    trainer = L.Trainer(plugins=plugins, callbacks=callbacks, **trainer_kwargs(**kwargs))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, regression_data())
@@ -43,10 +46,11 @@ def fit(model, callbacks, log_dir, plugin=None, max_steps=4):
 
 
 @pytest.fixture(scope="module")
-def fp32_overflow_run(tmp_path_factory):
+def fp32_overflow_run(request, tmp_path_factory):
     """A plain FP32 run (no plugin) whose `net.1` multiplies by 1e6: fine in FP32, an overflow in FP16."""
+    accelerator = module_device(request)  # set up before the per-test device switch
     monitor = ActivationRangeMonitor(every_n_steps=2, per_module=True)
-    acc, messages = fit(Middle(Scale(1e6)), [monitor], tmp_path_factory.mktemp("tb"))
+    acc, messages = fit(Middle(Scale(1e6)), [monitor], tmp_path_factory.mktemp("tb"), accelerator=accelerator)
     return acc, messages, monitor
 
 

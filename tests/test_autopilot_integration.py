@@ -13,6 +13,9 @@ from torch import nn
 from lightning_mp import LossScaleMonitor, MixedPrecisionPlugin
 from lightning_mp.demos import GPT, StdlibTextDataModule
 from lightning_mp.fabric import MixedPrecisionPlugin as FabricPlugin
+from tests.conftest import device
+
+pytestmark = pytest.mark.on_device  # every test here is a Trainer or Fabric run
 
 
 class Recorder(L.Callback):
@@ -51,7 +54,8 @@ def fit(model, plugin, data, steps=60, **kwargs):
     recorder = Recorder()
     ckpt_path = kwargs.pop("ckpt_path", None)
     trainer = L.Trainer(
-        max_steps=steps, plugins=[plugin] if plugin else None, accelerator="cpu", logger=kwargs.pop("logger", False),
+        max_steps=steps, plugins=[plugin] if plugin else None, accelerator=device(), devices=1,
+        logger=kwargs.pop("logger", False),
         enable_checkpointing=kwargs.pop("enable_checkpointing", False), enable_model_summary=False,
         enable_progress_bar=False, callbacks=[recorder, *kwargs.pop("callbacks", [])], **kwargs,
     )  # fmt: skip
@@ -117,10 +121,11 @@ def test_the_decisions_are_in_the_event_file(tmp_path):
 
 
 def test_fabric_moves_the_module_too():
-    fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricPlugin("fp16", fp32_modules="auto")])
+    fabric = Fabric(accelerator=device(), devices=1, plugins=[FabricPlugin("fp16", fp32_modules="auto")])
     model = Hot(0)
     net, optimizer = fabric.setup(model.net, torch.optim.Adam(model.parameters(), lr=1e-3))
     for x, y in list(hot_data(0))[:8]:
+        x, y = x.to(fabric.device), y.to(fabric.device)
         optimizer.zero_grad()
         fabric.backward((net(x).float() - y).pow(2).mean())
         optimizer.step()

@@ -18,7 +18,7 @@ from lightning_mp.demos import GPT, StdlibTextDataModule
 
 CASES = [
     # (callable, kwargs, argument name that the message must contain)
-    (MixedPrecisionPlugin, {"precision": "fp8"}, "precision"),
+    (MixedPrecisionPlugin, {"precision": "fp4"}, "precision"),
     (MixedPrecisionPlugin, {"precision": 16.5}, "precision"),
     (MixedPrecisionPlugin, {"precision": True}, "precision"),
     (MixedPrecisionPlugin, {"master_weights": "yes"}, "master_weights"),

@@ -22,9 +22,11 @@ from torch import nn
 
 from lightning_mp import GradientRangeMonitor, LossScaleMonitor, MixedPrecisionPlugin
 from lightning_mp import gradient_range_monitor as grm
-from tests.conftest import TinyRegressor, regression_data, trainer_kwargs
+from tests.conftest import TinyRegressor, module_device, regression_data, trainer_kwargs
 from tests.conftest import TwoOptimizers
 from tests.test_loss_scale_monitor import RecordingLogger
+
+pytestmark = pytest.mark.on_device  # every test here is a Trainer run
 
 HIST = "precision/grad_log2_magnitude"
 UNDER, OVER, ZERO = (f"precision/grad_{k}_fraction" for k in ("underflow", "overflow", "zero"))
@@ -69,12 +71,13 @@ def left_edges(histogram_value):
 
 
 @pytest.fixture(scope="module")
-def fp16_run(tmp_path_factory):
+def fp16_run(request, tmp_path_factory):
     """fp16, scale 2^8 growing every 3 clean steps, an overflow at step 5, histograms every 2nd step."""
+    accelerator = module_device(request)  # set up before the per-test device switch
     logger = TensorBoardLogger(tmp_path_factory.mktemp("tb"))
     plugin = MixedPrecisionPlugin("fp16", init_scale=2.0**8, growth_interval=3)
     callbacks = [LossScaleMonitor(), GradientRangeMonitor(every_n_steps=2, per_param=True)]
-    fit(Probed(fault_at={5}), plugin, callbacks, logger, max_steps=10)
+    fit(Probed(fault_at={5}), plugin, callbacks, logger, max_steps=10, accelerator=accelerator)
     return logger
 
 

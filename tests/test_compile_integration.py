@@ -3,6 +3,13 @@ under the plugin into as many graphs as without it (the copy hooks step aside un
 dispatcher kernels that Dynamo traces through, the FP32-module hooks are traceable). Emulated 16-bit GEMMs (the default
 on CPUs without 16-bit arithmetic) compile too, and compute what they compute in eager execution."""
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
@@ -14,9 +21,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.fabric import MixedPrecisionPlugin as FabricPlugin
-from tests.conftest import trainer_kwargs
+from tests.conftest import cpu_only, device, trainer_kwargs
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+# gemm="auto" emulates only on a CPU without the 16-bit arithmetic; on CUDA it is always native
+EMULATED = pytest.param("emulated", marks=cpu_only("emulated GEMMs are the CPU's stand-in; CUDA runs them natively"))
 
 
 class Block(nn.Module):
@@ -56,7 +66,8 @@ def graphs_in_a_fit(**precision):
     return counters["stats"]["unique_graphs"]
 
 
-@pytest.mark.parametrize("gemm", ["native", "emulated"])
+@pytest.mark.on_device
+@pytest.mark.parametrize("gemm", ["native", EMULATED])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_trainer_compiles_fullgraph_into_as_many_graphs_as_lightnings_own_plugin(precision, gemm):
     # gemm="emulated" is what "auto" picks on a CPU without that 16-bit arithmetic (every fp16 run on a CPU here)
@@ -68,13 +79,13 @@ def fabric_losses(plugins, compile_backend=None):
     """Four Fabric steps of the attention block; the losses and how many graphs Dynamo compiled."""
     dynamo.reset()
     counters.clear()
-    fabric = Fabric(accelerator="cpu", devices=1, plugins=plugins)
+    fabric = Fabric(accelerator=device(), devices=1, plugins=plugins)
     block = Block()
     net = block if compile_backend is None else torch.compile(block, fullgraph=True, backend=compile_backend)
     model, opt = fabric.setup(net, torch.optim.SGD(block.parameters(), lr=0.01))
     losses = []
     for (x,) in data():
-        loss = model(x).float().pow(2).mean()
+        loss = model(x.to(fabric.device)).float().pow(2).mean()
         fabric.backward(loss)
         opt.step()
         opt.zero_grad()
@@ -82,7 +93,8 @@ def fabric_losses(plugins, compile_backend=None):
     return losses, counters["stats"]["unique_graphs"]
 
 
-@pytest.mark.parametrize("gemm", ["native", "emulated"])
+@pytest.mark.on_device
+@pytest.mark.parametrize("gemm", ["native", EMULATED])
 def test_fabric_compiles_fullgraph_into_as_many_graphs_as_without_the_plugin(gemm):
     assert fabric_losses([FabricPlugin("bf16", gemm=gemm)], "eager")[1] == fabric_losses([], "eager")[1] == 1
 
@@ -96,3 +108,33 @@ def test_compiled_emulated_gemms_compute_what_eager_emulation_computes(precision
     compiled, graphs = fabric_losses([FabricPlugin(precision, gemm="emulated")], "aot_eager")
     assert graphs == 1
     assert compiled == eager
+
+
+def _compiled_fits(cache_dir, *precisions, caches=True):
+    """The fits of ``precisions`` in one fresh process, compiled by inductor with torch's default caches under
+    ``cache_dir`` (a test never reads the user's cache), or with every compile cache off."""
+    if not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")):
+        pytest.skip("inductor compiles C++ on the CPU: no C++ compiler (g++, c++, clang++) on the PATH")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "PYTHONWARNINGS": "ignore"}
+    if not caches:
+        env["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
+    done = subprocess.run([sys.executable, "-m", "tests.compile_cache_worker", *precisions], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_compile_caches_never_serve_a_graph_traced_under_another_precision_plugin(tmp_path):
+    # AOTAutograd traces through the FP32 policy's kernels, but its on-disk cache keyed a graph by what Dynamo saw,
+    # the same under both plugins: the second of two runs got the first one's graphs (its losses, bit for bit). The
+    # plugin's kernel state is part of the key now (lightning_mp.compile_key).
+    ours, lightnings = "lightning_mp:bf16", "bf16-mixed"
+    alone = _compiled_fits(tmp_path / "off", ours, lightnings, caches=False)
+    after_lightning = _compiled_fits(tmp_path / "a", lightnings, ours)
+    after_ours = _compiled_fits(tmp_path / "b", ours, lightnings)
+    assert alone[0]["losses"] != alone[1]["losses"]  # the policy shows in this model's losses
+    assert after_lightning[0]["losses"] == alone[1]["losses"] and after_lightning[1]["losses"] == alone[0]["losses"]
+    assert after_ours[0]["losses"] == alone[0]["losses"] and after_ours[1]["losses"] == alone[1]["losses"]
+    # runs in the same state share the cache: another process's run of ours is served the graphs saved above
+    again = _compiled_fits(tmp_path / "a", ours)
+    assert again[0]["cache_hits"] > 0 and again[0]["losses"] == alone[0]["losses"]

@@ -237,6 +237,7 @@ class _Dtypes(L.Callback):
             handle.remove()
 
 
+@pytest.mark.on_device
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 def test_resnet_forward_backward_in_each_precision(precision):
     L.seed_everything(0, verbose=False)
@@ -251,6 +252,7 @@ def test_resnet_forward_backward_in_each_precision(precision):
     assert plugin.skipped_steps == 0
 
 
+@pytest.mark.on_device
 def test_resnet_short_run_beats_chance_by_far():
     L.seed_everything(0, verbose=False)
     model, dm = ResNet(width=8, blocks_per_stage=1), DigitsDataModule(batch_size=64, image_size=8, seed=0)

@@ -1,7 +1,7 @@
 """Code written for Lightning's ``MixedPrecision`` plugin, run with ours in its place (issue 38): each test runs the
 same user code under both plugins (or, where Lightning's cannot run it, without a plugin) and asserts what the user
 would see. Lightning's fp16 runs on the CPU as ``MixedPrecision("16-mixed", "cpu")`` (``precision="16-mixed"``
-would switch a CPU run to bf16)."""
+would switch a CPU run to bf16); under ``pytest --device cuda`` the tests marked ``on_device`` run both on the GPU."""
 
 import lightning as L
 import pytest
@@ -13,14 +13,14 @@ from torch import nn
 
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.fabric import MixedPrecisionPlugin as FabricPlugin
-from tests.conftest import TinyRegressor, regression_data, trainer_kwargs
+from tests.conftest import TinyRegressor, device, regression_data, trainer_kwargs
 
 LIGHTNING = {"fp16": "16-mixed", "bf16": "bf16-mixed"}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def lightnings(precision):
-    return MixedPrecision(LIGHTNING[precision], "cpu")
+    return MixedPrecision(LIGHTNING[precision], device())
 
 
 def fit(model, plugins, steps=4, **kwargs):
@@ -50,6 +50,7 @@ class RecordScale(Callback):
             self.scales.append(scaler.get_scale())
 
 
+@pytest.mark.on_device
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_the_scaler_idiom_logs_the_scale_in_fp16_and_nothing_in_bf16_as_with_lightnings(precision):
     logged = {}
@@ -59,6 +60,7 @@ def test_the_scaler_idiom_logs_the_scale_in_fp16_and_nothing_in_bf16_as_with_lig
     assert logged["ours"] == logged["lightning"] == ({"scale": 2.0**16} if precision == "fp16" else {})
 
 
+@pytest.mark.on_device
 def test_get_scale_backs_off_on_the_skipped_step_as_gradscalers_does():
     scales = {}
     for name, plugin in (("ours", MixedPrecisionPlugin("fp16")), ("lightning", lightnings("fp16"))):
@@ -91,13 +93,15 @@ class SeesInputs(nn.Module):
         return self.norm(self.linear(x)).sum()
 
 
+@pytest.mark.on_device
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_fabric_forward_sees_floating_inputs_in_the_16_bit_format_as_under_fabrics_own(precision):
     seen = []
-    for plugin in (FabricPlugin(precision), FabricMixedPrecision(LIGHTNING[precision], "cpu")):
-        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    for plugin in (FabricPlugin(precision), FabricMixedPrecision(LIGHTNING[precision], device())):
+        fabric = L.Fabric(accelerator=device(), devices=1, plugins=[plugin])
         model = fabric.setup(SeesInputs())
-        out = model(torch.randn(2, 8), {"mask": torch.ones(2), "ids": torch.arange(2)})
+        on = fabric.device
+        out = model(torch.randn(2, 8, device=on), {"mask": torch.ones(2, device=on), "ids": torch.arange(2, device=on)})
         seen.append((model.seen[-1], out.dtype))
     assert seen[0] == seen[1] == ((DTYPES[precision], DTYPES[precision], torch.int64), torch.float32)
 
@@ -115,10 +119,11 @@ class Fp32ModulesFirst(nn.Module):
         return self.head(out).sum()
 
 
+@pytest.mark.on_device
 def test_fabric_fp32_modules_still_compute_in_fp32_on_16_bit_inputs():
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[FabricPlugin("bf16")])
+    fabric = L.Fabric(accelerator=device(), devices=1, plugins=[FabricPlugin("bf16")])
     model = fabric.setup(Fp32ModulesFirst())
-    model(torch.randn(2, 8))
+    model(torch.randn(2, 8, device=fabric.device))
     assert model.seen == {"x": torch.bfloat16, "norm": torch.float32, "lstm": torch.float32}  # DEFAULT_FP32_MODULES
 
 
@@ -170,6 +175,7 @@ def sam_run(plugins, steps=4, **model_kwargs):
     return model
 
 
+@pytest.mark.on_device
 @pytest.mark.parametrize(
     "precision, reference, tol",
     [("fp32", None, 0.0), ("bf16", "bf16", 1e-3), ("fp16", None, 2e-4)],
@@ -186,6 +192,7 @@ def test_a_sam_style_optimizer_trains_as_under_lightnings_plugin(precision, refe
         assert torch.allclose(a, b, rtol=0, atol=tol) if tol else torch.equal(a, b)
 
 
+@pytest.mark.on_device
 def test_sam_is_not_called_on_a_skipped_step_and_the_scale_backs_off():
     plugin = MixedPrecisionPlugin("fp16", init_scale=2.0**8)
     model = sam_run([plugin], fault_at=(2,))  # the first evaluation of step 1 overflows
@@ -193,6 +200,7 @@ def test_sam_is_not_called_on_a_skipped_step_and_the_scale_backs_off():
     assert plugin.skipped_steps == 1 and plugin.loss_scale == 2.0**7
 
 
+@pytest.mark.on_device
 def test_a_non_finite_re_evaluation_inside_step_stops_with_the_step_and_a_hint():
     with pytest.raises(FloatingPointError, match=r"step 1 .*SAM re-evaluated its closure.*HINT: "):
         sam_run([MixedPrecisionPlugin("bf16")], fault_at=(3,))  # the second evaluation of step 1
@@ -219,6 +227,7 @@ class ManualClosure(TinyRegressor):
         self.returned.append((opt.step(closure=closure), computed[-1]))
 
 
+@pytest.mark.on_device
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_manual_step_with_a_closure_returns_the_loss_as_without_a_plugin(precision):
     model = ManualClosure()
@@ -249,9 +258,10 @@ def counting(base):
     return Counting
 
 
+@pytest.mark.on_device
 def test_an_overridden_forward_context_is_entered_in_every_step_as_in_lightnings():
     counts = []
-    runs = ((counting(MixedPrecisionPlugin), ("bf16",)), (counting(MixedPrecision), ("bf16-mixed", "cpu")))
+    runs = ((counting(MixedPrecisionPlugin), ("bf16",)), (counting(MixedPrecision), ("bf16-mixed", device())))
     for plugin_cls, args in runs:
         trainer = L.Trainer(plugins=[plugin_cls(*args)], max_steps=2, limit_val_batches=1, **trainer_kwargs())
         trainer.fit(TinyRegressor(), regression_data(n=16), regression_data(n=8))  # 2 steps, then 1 val batch
@@ -269,6 +279,7 @@ class GradsBeforeStep(Callback):
         self.finite.append(all(p.grad.isfinite().all().item() for p in pl_module.parameters()))
 
 
+@pytest.mark.on_device
 def test_a_skipped_steps_hook_sees_its_inf_gradients_and_no_clipping_reaches_the_weights():
     seen, weights = {}, {}
     for name, plugin in (("ours", MixedPrecisionPlugin("fp16")), ("lightning", lightnings("fp16"))):

@@ -135,10 +135,10 @@ def test_native_bf16_reference_run(run_train_gpt):
 
 def test_unknown_precision_names_the_argument(run_train_gpt, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        run_train_gpt("--precision", "fp8")
+        run_train_gpt("--precision", "fp4")
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "--precision" in err and "'fp8'" in err and "'bf16'" in err
+    assert "--precision" in err and "'fp4'" in err and "'bf16'" in err and "'fp8'" in err
 
 
 def test_unknown_precision_in_plugin_init_args_names_the_key(run_train_gpt, capsys):
@@ -286,8 +286,8 @@ def test_example_trains_and_logs_the_precision_tags_to_tensorboard(tmp_path, arg
 
 
 def test_example_bad_precision_names_the_allowed_ones(tmp_path):
-    proc = run_example(tmp_path, "--precision", "fp8")
-    assert proc.returncode != 0 and "precision='fp8' is not supported. Allowed:" in proc.stderr
+    proc = run_example(tmp_path, "--precision", "fp4")
+    assert proc.returncode != 0 and "precision='fp4' is not supported. Allowed:" in proc.stderr
 
 
 def test_the_harnesses_load_and_report_no_rss_where_resource_is_missing(monkeypatch):

@@ -15,12 +15,13 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_mp import MixedPrecisionPlugin
-from tests.conftest import TinyRegressor, TwoOptimizers, regression_data, trainer_kwargs
+from tests.conftest import TinyRegressor, TwoOptimizers, device, regression_data, trainer_kwargs
 from tests.test_plugin_integration import Snapshot, fit, same_tree
 
 RESUME_WORKER = os.path.join(os.path.dirname(__file__), "resume_worker.py")
 
 
+@pytest.mark.on_device
 def test_overflow_in_one_micro_batch_skips_the_whole_accumulation_window():
     snap = Snapshot()
     plugin = MixedPrecisionPlugin("fp16", init_scale=2.0**8, growth_interval=1000)
@@ -32,6 +33,7 @@ def test_overflow_in_one_micro_batch_skips_the_whole_accumulation_window():
     assert rows[3]["scale"] == 2.0**7 and plugin.skipped_steps == 1  # backed off once for the whole window
 
 
+@pytest.mark.on_device
 def test_overflow_in_the_second_of_two_optimizers_skips_it_and_moves_the_scale_once():
     # the first optimizer stepped before the second backward produced the overflow; it cannot be undone, and is
     # not: what was applied used finite gradients. The sub-net with the overflow does not move.
@@ -60,6 +62,7 @@ def test_overflow_in_the_second_of_two_optimizers_skips_it_and_moves_the_scale_o
     assert at["scale"] == 32.0 and at["skipped"] == 1
 
 
+@pytest.mark.on_device
 @pytest.mark.parametrize("skip_scheduler, expected_halvings", [(True, 5), (False, 6)])
 def test_skipped_step_does_not_advance_the_lr_schedule_by_default(skip_scheduler, expected_halvings):
     class Scheduled(TinyRegressor):
@@ -76,6 +79,7 @@ def test_skipped_step_does_not_advance_the_lr_schedule_by_default(skip_scheduler
     assert type(trainer.lr_scheduler_configs[0].scheduler) is torch.optim.lr_scheduler.StepLR  # guard removed
 
 
+@pytest.mark.on_device
 def test_checkpoint_taken_right_after_a_skipped_step_resumes_exactly(tmp_path):
     def plugin():
         return MixedPrecisionPlugin("fp16", init_scale=2.0**6, growth_interval=3)
@@ -128,8 +132,9 @@ def test_run_killed_with_sigkill_resumes_from_last_checkpoint_to_the_same_weight
     assert a["scaler"] == b["scaler"]
 
 
+@pytest.mark.on_device
 def test_checkpoint_of_lightning_16_mixed_hands_over_its_scale(tmp_path):
-    native = MixedPrecision("16-mixed", "cpu")
+    native = MixedPrecision("16-mixed", device())
     trainer = fit(TinyRegressor(fault_at={1}), native, max_steps=3)
     native_scale = native.scaler.get_scale()
     assert native_scale == 2.0**15
@@ -147,6 +152,7 @@ def test_checkpoint_of_lightning_16_mixed_hands_over_its_scale(tmp_path):
     assert seen["scale"] == native_scale  # not silently reset to 2^16
 
 
+@pytest.mark.on_device
 def test_plain_fp32_checkpoint_resumes_with_the_configured_scale(tmp_path):
     trainer = fit(TinyRegressor(), None, max_steps=3)
     trainer.save_checkpoint(tmp_path / "fp32.ckpt")
@@ -157,7 +163,7 @@ def test_plain_fp32_checkpoint_resumes_with_the_configured_scale(tmp_path):
     class Look(Callback):
         def on_train_start(self, trainer, pl_module):
             seen["scale"] = trainer.precision_plugin.loss_scale
-            seen["state"] = {k: v.clone() for k, v in pl_module.state_dict().items()}
+            seen["state"] = {k: v.clone().cpu() for k, v in pl_module.state_dict().items()}  # the checkpoint's: CPU
 
     trainer = L.Trainer(plugins=[plugin], max_steps=5, callbacks=[Look()], **trainer_kwargs())
     trainer.fit(TinyRegressor(), regression_data(), ckpt_path=tmp_path / "fp32.ckpt")
@@ -165,6 +171,7 @@ def test_plain_fp32_checkpoint_resumes_with_the_configured_scale(tmp_path):
     assert same_tree(seen["state"], weights)  # the FP32 values, exactly, not their fp16 rounding
 
 
+@pytest.mark.on_device
 def test_scaler_state_from_a_static_run_does_not_override_a_dynamic_one(tmp_path):
     trainer = fit(TinyRegressor(), MixedPrecisionPlugin("fp16", loss_scale=8.0), max_steps=2)
     trainer.save_checkpoint(tmp_path / "static.ckpt")
@@ -174,12 +181,13 @@ def test_scaler_state_from_a_static_run_does_not_override_a_dynamic_one(tmp_path
     assert plugin.loss_scale == 2.0**8
 
 
+@pytest.mark.on_device
 def test_nan_in_the_forward_of_a_bf16_run_never_reaches_the_weights():
     class NanForward(TinyRegressor):
         def forward(self, x):
             out = self.net(x)
             if self.seen_batches == 2:
-                out = out * torch.tensor(float("nan"))
+                out = out * torch.tensor(float("nan"), device=out.device)
             return out
 
     snap = Snapshot()
@@ -197,6 +205,7 @@ def test_a_device_without_autocast_fails_at_setup():
     _check_device_supports(resolve_precision("fp32"), "meta")  # fp32 needs nothing
 
 
+@pytest.mark.on_device
 def test_model_without_parameters_in_any_optimizer_trains_nothing_and_breaks_nothing():
     class NoOpt(TinyRegressor):
         def configure_optimizers(self):

@@ -27,8 +27,8 @@ CUDA_AUTOCAST_ON_CPU = DispatchKeySet(DispatchKey.AutocastCUDA) | DispatchKeySet
 
 @pytest.fixture(autouse=True)
 def _collect_released_plugins():
-    # a Fabric plugin keeps its kernels registered (switched off) until it is garbage-collected; these tests
-    # check the process-wide registrations, so the plugins earlier tests dropped are collected first
+    # a Fabric plugin dropped between a forward and its backward keeps its kernels until it is garbage-collected;
+    # these tests check the process-wide registrations, so the plugins earlier tests dropped are collected first
     gc.collect()
 
 def _has_kernel(overload: str, key: str) -> bool:
@@ -156,6 +156,22 @@ def test_the_op_set_follows_the_policy_and_holds_add_up() -> None:
         assert repr(nested) == "Fp32Activation(0 kernels, removed)"
 
 
+def test_a_plan_released_before_one_it_overlaps_leaves_the_others_kernels_registered() -> None:
+    # a plan's kernels share one Library (half the registration time); the kernels another plan still holds outlive
+    # it, each registered again on its own
+    y = torch.randn(4, 8, dtype=torch.bfloat16)
+    first, second = Fp32Policy(), Fp32Policy(ops={"softmax"}, modules=())
+    a, b = first.activate(), second.activate()
+    a.remove()
+    held = {overload for key, overload, _ in second.kernel_plan() if key == "AutocastCPU"}
+    assert active_kernels("AutocastCPU") == held and "_softmax" in held and "exp" not in held
+    assert _has_kernel("_softmax", "AutocastCPU") and not _has_kernel("exp", "AutocastCPU")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert F.softmax(y, -1).dtype == torch.float32 and y.exp().dtype == torch.bfloat16
+    b.remove()
+    assert not _has_kernel("_softmax", "AutocastCPU")
+
+
 def test_a_listed_lower_precision_op_overrides_autocast_and_gets_it_back() -> None:
     a = torch.randn(4, 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -268,7 +284,7 @@ def test_bf16_default_keeps_the_range_ops_in_bf16_on_cpu_and_cuda_within_an_ulp(
         # computed in FP32 and rounded once: half an ulp; an integer power of 3 or more (x * x * x) and torch's
         # approximate vectorised rsqrt are up to one ulp further off
         assert _bf16_ulps(got, exact) <= (1.5 if name in ("pow 3", "rsqrt") else 0.5), name
-    # a kernel registered but switched off (Fabric between its steps) does what CUDA autocast does: FP32
+    # a kernel registered but switched off (activate(on=False) outside switched_on()) does what CUDA autocast does
     with policy.activate(on=False):
         assert pow_.redispatch(CUDA_AUTOCAST_ON_CPU, x, 3).dtype == torch.float32
     # a bf16 and an fp16 fit in one process: FP32 wins, on every device

@@ -12,9 +12,11 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_mp import DEFAULT_FP32_OPS, MixedPrecisionPlugin
 from lightning_mp.demos import StdlibTextDataModule
-from tests.conftest import regression_data, trainer_kwargs
+from tests.conftest import cpu_only, device, regression_data, trainer_kwargs
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+pytestmark = pytest.mark.on_device  # every test here is a Trainer run
 
 
 class Probe(L.LightningModule):
@@ -27,7 +29,7 @@ class Probe(L.LightningModule):
 
     def _probe(self, stage, x):
         h = self.lin(x)
-        target = torch.zeros(h.shape[0], dtype=torch.long)
+        target = torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
         self.dtypes[stage] = {
             "linear": h.dtype,
             "softmax": F.softmax(h, dim=-1).dtype,
@@ -68,11 +70,12 @@ def test_sensitive_ops_return_fp32_inside_steps_and_nothing_leaks_outside(precis
         assert d["linear"] == half and d["tanh"] == half
         for op in ("softmax", "tensor.softmax", "log_softmax", "layer_norm", "cross_entropy", "sum"):
             assert d[op] == torch.float32, (stage, op)
-    x = torch.randn(4, 4, dtype=half)
+    x = torch.randn(4, 4, dtype=half, device=device())
     assert F.softmax(x, dim=-1).dtype == half and x.sum().dtype == half  # outside the steps: untouched
 
 
 def test_removing_softmax_makes_it_16_bit_and_adding_a_callable_makes_it_fp32():
+    # on CUDA too, where autocast's own list runs softmax in FP32: an op left out of the policy is 16-bit everywhere
     dtypes = run_probe(MixedPrecisionPlugin("bf16", fp32_ops=(DEFAULT_FP32_OPS - {"softmax"}) | {torch.tanh}))
     d = dtypes["train"]
     assert d["softmax"] == d["tensor.softmax"] == torch.bfloat16
@@ -124,7 +127,7 @@ class LocalLSTM(LightningLSTM):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("demo", [LocalTransformer, LocalLSTM])
-def test_lightnings_demo_models_train_in_16_bits_on_the_cpu(demo, precision):
+def test_lightnings_demo_models_train_in_16_bits_on_the_cpu(demo, precision):  # and on the GPU (--device cuda)
     L.seed_everything(0)
     model = demo() if demo is LocalLSTM else demo(vocab_size=256)
     losses = []
@@ -141,6 +144,7 @@ def test_lightnings_demo_models_train_in_16_bits_on_the_cpu(demo, precision):
     assert plugin.skipped_steps < 6  # it trained, not only skipped
 
 
+@cpu_only("the crash is oneDNN's fp16 LSTM on a CPU; on CUDA cuDNN runs Lightning's 16-mixed LSTM")
 def test_lstm_that_crashes_lightnings_16_mixed_on_this_cpu_trains_with_the_plugin():
     class EmbedNormLSTM(LocalLSTM):
         def __init__(self):

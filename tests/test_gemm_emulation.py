@@ -677,6 +677,28 @@ def test_a_run_registers_its_kernels_from_setup_to_remove_and_only_its_thread_em
     assert not _has_kernel(torch.ops.aten.mm.default, "ADInplaceOrView")
 
 
+def test_a_run_set_up_without_a_hold_registers_the_kernels_only_for_its_blocks_and_its_holds():
+    # Fabric's: no end of fit to release a hold at, so nothing stays registered between its iterations
+    run = GemmEmulation("emulated")
+    gc.collect()
+    run.setup("cpu", torch.float16, hold=False)
+    mm = torch.ops.aten.mm.default
+    x = torch.randn(8, 8).half()
+    assert not _has_kernel(mm, "ADInplaceOrView")
+    recorder = Recorder()
+    with recorder, run.context():
+        assert _has_kernel(mm, "ADInplaceOrView") and torch.mm(x, x).dtype == torch.float16
+    assert ("mm", {torch.float32}) in recorder.calls  # emulated, through the kernels (no mode)
+    assert not _has_kernel(mm, "ADInplaceOrView")
+    run.hold()
+    run.hold()  # idempotent
+    with run.context():
+        pass
+    assert _has_kernel(mm, "ADInplaceOrView")  # held across blocks until remove()
+    run.remove()
+    assert not _has_kernel(mm, "ADInplaceOrView")
+
+
 def test_an_op_without_a_derivative_refuses_tensors_that_require_grad_as_torch_does_at_backward():
     run = GemmEmulation("emulated")
     run.setup("cpu", torch.float16)

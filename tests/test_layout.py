@@ -20,10 +20,11 @@ REPO = ROOT.parent
 
 # package -> the lightning_mp packages it must not import (and whether it may import Lightning itself)
 FORBIDDEN = {
-    "numerics": ({"policy", "gemm", "doctor", "core", "lightning", "fabric", "monitors", "demos"}, False),
-    "policy": ({"numerics", "gemm", "doctor", "core", "lightning", "fabric", "monitors", "demos"}, False),
-    "gemm": ({"numerics", "policy", "doctor", "core", "lightning", "fabric", "monitors", "demos"}, False),
-    "doctor": ({"core", "lightning", "fabric", "monitors", "demos"}, False),
+    "numerics": ({"policy", "gemm", "fp8", "doctor", "core", "lightning", "fabric", "monitors", "demos"}, False),
+    "policy": ({"numerics", "gemm", "fp8", "doctor", "core", "lightning", "fabric", "monitors", "demos"}, False),
+    "gemm": ({"numerics", "policy", "fp8", "doctor", "core", "lightning", "fabric", "monitors", "demos"}, False),
+    "fp8": ({"numerics", "policy", "doctor", "core", "lightning", "fabric", "monitors", "demos"}, False),
+    "doctor": ({"fp8", "core", "lightning", "fabric", "monitors", "demos"}, False),
     "core": ({"lightning", "fabric", "monitors", "demos"}, False),
     "lightning": ({"fabric", "monitors", "demos"}, True),
     "fabric": ({"lightning", "demos"}, True),
@@ -108,7 +109,8 @@ def test_lightning_cli_help_lists_every_knob_with_its_default():
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    names = ["precision", "master_weights", "loss_scale", "fp32_ops", "fp32_modules", "gemm", "check_finite"]
+    names = ["precision", "master_weights", "loss_scale", "fp32_ops", "fp32_modules", "gemm", "check_finite",
+             "fp8_recipe", "fp8_modules"]
     for name in names + [field.name for field in dataclasses.fields(ScalerSettings)]:
         # jsonargparse before 4.32 spells it --trainer.plugins.init_args.NAME
         assert re.search(rf"--trainer\.plugins\.(init_args\.)?{name}\b", out.stdout), name

@@ -11,6 +11,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
 from lightning_mp import LossScaleMonitor, MixedPrecisionPlugin
+from tests.conftest import device
+
+pytestmark = pytest.mark.on_device  # every test here is a Trainer or Fabric run
 
 
 class Net(L.LightningModule):
@@ -36,8 +39,9 @@ def data(n=240, seed=1):
 
 
 def fit(model, plugins=None, steps=30, seed=1, **kwargs):
-    trainer = L.Trainer(max_steps=steps, plugins=plugins, accelerator="cpu", logger=kwargs.pop("logger", False),
-                        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False, **kwargs)
+    trainer = L.Trainer(max_steps=steps, plugins=plugins, accelerator=device(), devices=1,
+                        logger=kwargs.pop("logger", False), enable_checkpointing=False, enable_model_summary=False,
+                        enable_progress_bar=False, **kwargs)
     trainer.fit(model, data(seed=seed))
     return model
 
@@ -121,7 +125,7 @@ class OneWeight(L.LightningModule):
         self.w = nn.Parameter(torch.ones(1))
 
     def training_step(self, batch, batch_idx):
-        return (self.w * torch.ones(1, dtype=self.w.dtype)).float().sum()
+        return (self.w * torch.ones(1, dtype=self.w.dtype, device=self.w.device)).float().sum()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=1e-4)
@@ -161,8 +165,9 @@ def test_a_checkpoint_holds_the_fp32_masters_and_resumes_as_fp32_master_bf16_doe
     for path, plugin in ((lean_path, MixedPrecisionPlugin("bf16", master_weights="compensated")),
                          (masters_path, MixedPrecisionPlugin("bf16"))):  # fmt: skip
         model = Net()
-        L.Trainer(max_steps=30, plugins=[plugin], accelerator="cpu", logger=False, enable_checkpointing=False,
-                  enable_model_summary=False, enable_progress_bar=False).fit(model, data(), ckpt_path=str(path))
+        L.Trainer(max_steps=30, plugins=[plugin], accelerator=device(), devices=1, logger=False,
+                  enable_checkpointing=False, enable_model_summary=False,
+                  enable_progress_bar=False).fit(model, data(), ckpt_path=str(path))
         resumed.append(model)
     for a, b in zip(*(m.parameters() for m in resumed)):
         assert torch.equal(a, b)
@@ -221,10 +226,11 @@ def test_fabric_trains_bitwise_as_fp32_master_bf16():
 
     weights = []
     for kwargs in ({}, {"master_weights": "compensated"}):
-        fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricPlugin("bf16", **kwargs)])
+        fabric = Fabric(accelerator=device(), devices=1, plugins=[FabricPlugin("bf16", **kwargs)])
         model = Net()
         net, optimizer = fabric.setup(model.net, torch.optim.AdamW(model.parameters(), lr=1e-3))
         for (x,) in list(data())[:20]:
+            x = x.to(fabric.device)
             optimizer.zero_grad()
             fabric.backward((net(x).float() - x[:, :1].sin()).pow(2).mean())
             optimizer.step()
@@ -240,10 +246,10 @@ def test_fabric_accumulation_and_clipping_train_bitwise_as_fp32_master_bf16():
 
     weights = []
     for kwargs in ({}, {"master_weights": "compensated"}):
-        fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricPlugin("bf16", **kwargs)])
+        fabric = Fabric(accelerator=device(), devices=1, plugins=[FabricPlugin("bf16", **kwargs)])
         model = Net(seed=1)
         net, optimizer = fabric.setup(model.net, torch.optim.AdamW(model.parameters(), lr=1e-3))
-        batches = [x for (x,) in data()]
+        batches = [x.to(fabric.device) for (x,) in data()]
         for micro_batches in zip(batches[0::2], batches[1::2]):  # 15 steps of 2 micro-batches
             optimizer.zero_grad()
             for x in micro_batches:

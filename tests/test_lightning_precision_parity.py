@@ -2,7 +2,9 @@
 and with ours, on the CPU, and asserts what a user sees (issue 38). The facts are Lightning's; the code is ours.
 
 Lightning's fp16 runs as ``MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", ...))``: real fp16 on
-the CPU (``precision="16-mixed"`` would switch a CPU run to bf16), so the CUDA-only fp16 cases run here. Both plugins
+the CPU (``precision="16-mixed"`` would switch a CPU run to bf16), so the CUDA-only fp16 cases run here. Under
+``pytest --device cuda`` (the CUDA suite: every test here is ``on_device``) both plugins run on the GPU instead, with
+the same assertions, and those cases run where upstream runs them. Both plugins
 start at the same scale, ``2**8`` unless a test says otherwise: ``BoringModel``'s first gradients times ``2**16``
 overflow fp16 and would skip steps in both (differently: ``test_several_optimizers_...`` measures how). A difference
 of ours by design is asserted as ours, with the sentence of ``docs/behaviour.md`` it rests on. Precision-independent
@@ -97,21 +99,24 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_mp import MixedPrecisionPlugin
-from tests.conftest import trainer_kwargs
+from tests.conftest import device, trainer_kwargs
 
 LIGHTNING_NAME = {"fp16": "16-mixed", "bf16": "bf16-mixed"}
 DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 IMPLS = ("lightning", "ours")
 INIT_SCALE = 2.0**8
 
+pytestmark = pytest.mark.on_device  # every test here is Lightning's, run with either plugin
+
 
 def make(impl, precision, init_scale=INIT_SCALE, growth_interval=2000):
-    """A fresh plugin: Lightning's ``MixedPrecision`` with a CPU GradScaler in fp16, or ours with the same knobs."""
+    """A fresh plugin: Lightning's ``MixedPrecision`` with a GradScaler in fp16 (both on the test's device), or ours
+    with the same knobs."""
     if impl == "ours":
         knobs = dict(init_scale=init_scale, growth_interval=growth_interval) if precision == "fp16" else {}
         return MixedPrecisionPlugin(precision, **knobs)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
-    return MixedPrecision(LIGHTNING_NAME[precision], "cpu", scaler=scaler if precision == "fp16" else None)
+    scaler = torch.amp.GradScaler(device(), init_scale=init_scale, growth_interval=growth_interval)
+    return MixedPrecision(LIGHTNING_NAME[precision], device(), scaler=scaler if precision == "fp16" else None)
 
 
 def fit(model, plugin, seed=0, **kwargs):
@@ -173,7 +178,8 @@ class RecordingSGD(torch.optim.SGD):
             with torch.enable_grad():
                 loss = closure()
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        self.seen.append((max(g.abs().max().item() for g in grads), torch.stack([g.norm() for g in grads]).norm()))
+        norm = torch.stack([g.norm() for g in grads]).norm().item()
+        self.seen.append((max(g.abs().max().item() for g in grads), norm))
         super().step()
         return loss
 
@@ -247,8 +253,10 @@ def test_a_fused_optimizer_with_clipping_is_refused_by_lightnings_and_clips_with
 @both_formats
 def test_a_no_grad_forward_inside_autocast_keeps_gradient_tracking(impl, precision):
     """test_amp.py::test_amp_with_no_grad."""
-    layer, x = nn.Linear(2, 1), torch.randn(1, 2)
-    with make(impl, precision).autocast_context_manager():
+    plugin = make(impl, precision)
+    # the plugin's device: ours computes on the CPU until a Trainer connects it (``device``), Lightning's on its own
+    layer, x = nn.Linear(2, 1).to(plugin.device), torch.randn(1, 2, device=plugin.device)
+    with plugin.autocast_context_manager():
         with torch.no_grad():
             layer(x)
         out = layer(x)
@@ -268,7 +276,7 @@ class ScalerSeen(FusedAdamModel):
 @both_impls
 @both_formats
 def test_fused_and_for_loop_adam_train_alike(impl, precision):
-    """test_amp_integration.py::test_amp_fused_optimizer_parity, on the CPU (torch has a fused CPU Adam)."""
+    """test_amp_integration.py::test_amp_fused_optimizer_parity (CUDA upstream; torch has a fused CPU Adam too)."""
     runs = []
     for fused in (False, True):
         torch.manual_seed(1234)
@@ -328,13 +336,14 @@ def test_contexts_restore_autocast_and_the_default_dtype_after_an_error(impl, pr
     (HalfPrecision's and DoublePrecision's do), the forward's turns autocast on, and both undo everything when the
     block raises."""
     plugin = make(impl, precision)
+    on = plugin.device  # ours: "cpu" until a Trainer connects it; Lightning's: the device it was made for
     for context in (plugin.module_init_context, plugin.forward_context):
         with pytest.raises(RuntimeError, match="foo"), context():
             assert torch.get_default_dtype() is torch.float32
             if context == plugin.forward_context:
-                assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == DTYPE[precision]
+                assert torch.is_autocast_enabled(on) and torch.get_autocast_dtype(on) == DTYPE[precision]
             raise RuntimeError("foo")
-        assert torch.get_default_dtype() is torch.float32 and not torch.is_autocast_enabled("cpu")
+        assert torch.get_default_dtype() is torch.float32 and not torch.is_autocast_enabled(on)
 
 
 class BuiltInConfigureModel(LightningModule):
@@ -375,7 +384,7 @@ def test_the_model_pickles_mid_fit_as_its_own_classes(impl, precision):
     fit(model, make(impl, precision), max_steps=1, callbacks=[spy])
     assert type(spy.copy) is BoringModel and type(spy.copy.layer) is nn.Linear
     assert spy.copy.layer.weight.dtype == torch.float32
-    assert torch.equal(spy.copy.layer.weight, model.layer.weight)
+    assert torch.equal(spy.copy.layer.weight.cpu(), model.layer.weight)  # pickled mid-fit, on the device
 
 
 # ---------------------------------------------------------------------------------------- models/test_amp.py
@@ -390,7 +399,7 @@ class AMPTestModel(BoringModel):
     def _check(self, batch, out):
         plugin = self.trainer.precision_plugin
         expected = torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
-        self.seen.append((torch.is_autocast_enabled("cpu"), batch.dtype, out.dtype == expected))
+        self.seen.append((torch.is_autocast_enabled(batch.device.type), batch.dtype, out.dtype == expected))
 
     def step(self, batch):
         out = self(batch)
@@ -406,7 +415,7 @@ class AMPTestModel(BoringModel):
 @both_impls
 @both_formats
 def test_steps_run_under_autocast_in_the_16_bit_format(impl, precision):
-    """models/test_amp.py::test_amp_cpus [single_device] and test_amp_gpus [1 device], on the CPU."""
+    """models/test_amp.py::test_amp_cpus [single_device] and test_amp_gpus [1 device], on the test's device."""
     limits = dict(limit_train_batches=1, limit_val_batches=1, limit_test_batches=1, limit_predict_batches=1)
     model = AMPTestModel()
     trainer = fit(model, make(impl, precision), max_epochs=1, **limits)
@@ -420,7 +429,7 @@ def test_steps_run_under_autocast_in_the_16_bit_format(impl, precision):
 def test_the_plugin_says_its_device(impl):
     """models/test_amp.py's AMPTestModel: ``if self.trainer.precision_plugin.device == "cpu"``."""
     trainer = fit(BoringModel(), make(impl, "bf16"), max_steps=1)
-    assert trainer.precision_plugin.device == "cpu"
+    assert trainer.precision_plugin.device == device()
 
 
 # ---------------------------------------------------------------------------------------- models/test_hooks.py

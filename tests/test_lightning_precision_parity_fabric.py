@@ -3,6 +3,7 @@ with ``lightning_mp.fabric.MixedPrecisionPlugin``, on the CPU, and asserts what 
 facts are Lightning's; the code is ours. Fabric's fp16 runs as ``MixedPrecision("16-mixed", "cpu", scaler=...)``:
 real fp16 on the CPU (``Fabric(precision="16-mixed")`` switches a CPU run to bf16). A difference of ours by design
 is asserted as ours, with the sentence of ``docs/behaviour.md`` (or ``docs/fabric.md``, ``README.md``) it rests on.
+Under ``pytest --device cuda`` (the CUDA suite) the tests marked ``on_device`` run both plugins on the GPU instead.
 
 Upstream cases (``tests/tests_fabric/``; ``[n]``: parametrizations), and where each went:
 
@@ -53,6 +54,7 @@ from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrec
 from torch import nn
 
 from lightning_mp.fabric import MixedPrecisionPlugin
+from tests.conftest import device
 
 LIGHTNING_NAME = {"fp16": "16-mixed", "bf16": "bf16-mixed"}
 DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -69,16 +71,17 @@ def seeded():
 
 
 def make(impl, precision, init_scale=INIT_SCALE, growth_interval=2000):
-    """A fresh plugin: Fabric's ``MixedPrecision`` with a CPU GradScaler in fp16, or ours with the same knobs."""
+    """A fresh plugin: Fabric's ``MixedPrecision`` with a GradScaler in fp16 (both on the test's device), or ours with
+    the same knobs."""
     if impl == "ours":
         knobs = dict(init_scale=init_scale, growth_interval=growth_interval) if precision == "fp16" else {}
         return MixedPrecisionPlugin(precision, **knobs)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
-    return FabricMixedPrecision(LIGHTNING_NAME[precision], "cpu", scaler=scaler if precision == "fp16" else None)
+    scaler = torch.amp.GradScaler(device(), init_scale=init_scale, growth_interval=growth_interval)
+    return FabricMixedPrecision(LIGHTNING_NAME[precision], device(), scaler=scaler if precision == "fp16" else None)
 
 
 def fabric_with(plugin):
-    return L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    return L.Fabric(accelerator=device(), devices=1, plugins=[plugin])
 
 
 def linear(n_in=4, n_out=2, seed=0):
@@ -118,17 +121,19 @@ def test_bf16_has_no_scaler_and_refuses_one(impl):
             MixedPrecisionPlugin(precision, scaler=scaler)
 
 
+@pytest.mark.on_device
 @both_impls
 @both_formats
 def test_the_forward_context_is_autocast_to_the_16_bit_format(impl, precision):
     """test_amp.py::test_amp_precision_forward_context (upstream: fp16 on CUDA, bf16 on the CPU)."""
     plugin = make(impl, precision)
+    on = plugin.device  # ours: "cpu" until its first forward in a Fabric loop; Fabric's: the device it was made for
     assert (plugin.scaler is not None) == (precision == "fp16")
     with plugin.forward_context():
-        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == DTYPE[precision]
+        assert torch.is_autocast_enabled(on) and torch.get_autocast_dtype(on) == DTYPE[precision]
         assert torch.get_default_dtype() == torch.float32
-        assert nn.Linear(2, 2)(torch.ones(1, 2)).dtype == DTYPE[precision]
-    assert not torch.is_autocast_enabled("cpu")
+        assert nn.Linear(2, 2, device=on)(torch.ones(1, 2, device=on)).dtype == DTYPE[precision]
+    assert not torch.is_autocast_enabled(on)
     context = plugin.forward_context()
     if impl == "lightning":
         assert isinstance(context, torch.autocast) and context.fast_dtype == DTYPE[precision]
@@ -139,14 +144,16 @@ def test_the_forward_context_is_autocast_to_the_16_bit_format(impl, precision):
         assert not isinstance(context, torch.autocast)
 
 
+@pytest.mark.on_device
 @pytest.mark.parametrize("impl", ["lightning", "ours"])
 def test_the_plugin_says_its_device(impl):
     """test_amp.py::test_amp_precision_forward_context: ``assert precision.device == "cpu"``."""
     plugin = make(impl, "bf16")
-    fabric_with(plugin).setup(linear())(torch.ones(1, 4))
-    assert plugin.device == "cpu"
+    fabric_with(plugin).setup(linear())(torch.ones(1, 4, device=device()))
+    assert plugin.device == device()
 
 
+@pytest.mark.on_device
 @both_impls
 @both_formats
 def test_backward_scales_the_loss_and_passes_its_arguments_on(impl, precision):
@@ -159,16 +166,17 @@ def test_backward_scales_the_loss_and_passes_its_arguments_on(impl, precision):
     plugin = make(impl, precision)
     fabric = fabric_with(plugin)
     model = fabric.setup(linear())
-    loss = model(x).float().pow(2).sum()
+    loss = model(x.to(fabric.device)).float().pow(2).sum()
     fabric.backward(loss, retain_graph=True)
     first = model.weight.grad.clone()
     fabric.backward(loss)
     assert torch.equal(model.weight.grad, 2 * first)
     scale = plugin.scaler.get_scale() if precision == "fp16" else 1.0
     assert scale == (INIT_SCALE if precision == "fp16" else 1.0)
-    torch.testing.assert_close(first / scale, reference.weight.grad, rtol=2e-2, atol=2e-2)  # a 16-bit forward
+    torch.testing.assert_close((first / scale).cpu(), reference.weight.grad, rtol=2e-2, atol=2e-2)  # a 16-bit forward
 
 
+@pytest.mark.on_device
 @both_impls
 @both_formats
 def test_a_step_steps_and_moves_the_scale_once(impl, precision):
@@ -179,13 +187,14 @@ def test_a_step_steps_and_moves_the_scale_once(impl, precision):
     module = linear()
     model, opt = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
     before = model.weight.detach().clone()
-    fabric.backward(model(torch.ones(2, 4)).float().sum())
+    fabric.backward(model(torch.ones(2, 4, device=fabric.device)).float().sum())
     opt.step()
     assert not torch.equal(before, model.weight)
     if precision == "fp16":
         assert plugin.scaler.get_scale() == 2 * INIT_SCALE and plugin.scaler.state_dict()["_growth_tracker"] == 0
 
 
+@pytest.mark.on_device
 @both_impls
 @both_formats
 def test_a_closure_given_to_the_step(impl, precision):
@@ -198,7 +207,7 @@ def test_a_closure_given_to_the_step(impl, precision):
 
     def closure():
         opt.zero_grad()
-        loss = model(torch.ones(2, 4)).float().sum()
+        loss = model(torch.ones(2, 4, device=fabric.device)).float().sum()
         fabric.backward(loss)
         return loss
 
@@ -239,7 +248,7 @@ class MixedPrecisionModule(nn.Module):
 
     def forward(self, x):
         output = self.layer(x)
-        self.seen.append((x.dtype, torch.is_autocast_enabled("cpu"), output.dtype))
+        self.seen.append((x.dtype, torch.is_autocast_enabled(x.device.type), output.dtype))
         return output
 
 
@@ -254,6 +263,7 @@ class MixedPrecisionModule(nn.Module):
         ("ours", "bf16-mixed", torch.bfloat16),
     ],
 )
+@pytest.mark.on_device
 def test_the_forward_sees_16_bit_inputs_and_the_loop_fp32_tensors(impl, given, expected):
     """test_amp_integration.py::test_amp, in one process: inside ``forward`` the input and the output are 16-bit
     under autocast; outside, the output, the weights and their gradients are FP32. Two ranks (upstream's
@@ -262,8 +272,10 @@ def test_the_forward_sees_16_bit_inputs_and_the_loop_fp32_tensors(impl, given, e
     precision = {"16-mixed": "fp16", "bf16-mixed": "bf16"}[given]
     if impl == "lightning-string":
         switched = pytest.warns(UserWarning, match="AMP with fp16 is not supported on CPU")
+        if device() == "cuda":  # Fabric switches "16-mixed" to bf16 on a CPU only: on a GPU it is real fp16
+            switched, expected = nullcontext(), DTYPE[precision]
         with switched if precision == "fp16" else nullcontext():
-            fabric = L.Fabric(accelerator="cpu", devices=1, precision=given)
+            fabric = L.Fabric(accelerator=device(), devices=1, precision=given)
     else:
         knobs = dict(init_scale=INIT_SCALE) if precision == "fp16" else {}  # 2**16 overflows this net's first step
         fabric = fabric_with(make(impl, precision) if impl == "lightning" else MixedPrecisionPlugin(given, **knobs))
@@ -272,7 +284,7 @@ def test_the_forward_sees_16_bit_inputs_and_the_loop_fp32_tensors(impl, given, e
     torch.manual_seed(0)
     module = MixedPrecisionModule()
     model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=0.1))
-    batch = torch.rand(2, 32)
+    batch = torch.rand(2, 32, device=fabric.device)
     assert model.layer.weight.dtype == batch.dtype == torch.float32
     output = model(batch)
     assert output.dtype == torch.float32
@@ -285,6 +297,7 @@ def test_the_forward_sees_16_bit_inputs_and_the_loop_fp32_tensors(impl, given, e
     assert not torch.equal(before, model.layer.weight)
 
 
+@pytest.mark.on_device
 @both_impls
 @both_formats
 def test_fused_and_for_loop_adam_train_alike(impl, precision):
@@ -296,6 +309,7 @@ def test_fused_and_for_loop_adam_train_alike(impl, precision):
         model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused))
         g = torch.Generator().manual_seed(1)
         data, target = torch.randn(10, 10, generator=g), torch.randn(10, 10, generator=g)
+        data, target = data.to(fabric.device), target.to(fabric.device)
         losses = []
         for _ in range(5):
             optimizer.zero_grad()
@@ -312,6 +326,7 @@ def test_fused_and_for_loop_adam_train_alike(impl, precision):
 
 
 # ------------------------------------------------------------------------------ plugins/precision/test_all.py
+@pytest.mark.on_device
 @both_impls
 @both_formats
 def test_contexts_restore_autocast_and_the_default_dtype_after_an_error(impl, precision):
@@ -322,10 +337,11 @@ def test_contexts_restore_autocast_and_the_default_dtype_after_an_error(impl, pr
         with pytest.raises(RuntimeError, match="foo"), context():
             assert torch.get_default_dtype() is torch.float32
             raise RuntimeError("foo")
-        assert torch.get_default_dtype() is torch.float32 and not torch.is_autocast_enabled("cpu")
+        assert torch.get_default_dtype() is torch.float32 and not torch.is_autocast_enabled(plugin.device)
 
 
 # ---------------------------------------------------------------------------------------------- test_fabric.py
+@pytest.mark.on_device
 @both_impls
 @both_formats
 @pytest.mark.parametrize("setup_method", ["setup", "setup_module"])
@@ -333,7 +349,7 @@ def test_fabric_backward_is_required(impl, precision, setup_method):
     """test_fabric.py::test_backward_required [bf16-mixed]: a mixed plugin needs ``fabric.backward(loss)``; a bare
     ``loss.backward()`` raises, for one model, two chained, and a model returning a dict."""
     fabric = fabric_with(make(impl, precision))
-    batch = torch.rand(2, 2)
+    batch = torch.rand(2, 2, device=fabric.device)
     model1, model2 = (getattr(fabric, setup_method)(linear(2, 2, seed=s)) for s in (0, 1))
 
     class DictReturn(nn.Linear):
@@ -347,12 +363,13 @@ def test_fabric_backward_is_required(impl, precision, setup_method):
         fabric.backward(forward().float())  # no error
 
 
+@pytest.mark.on_device
 def test_fabric_backward_is_required_also_in_fp32():
     """test_fabric.py::test_backward_required [32-true]: Fabric's default precision lets ``loss.backward()`` through.
     docs/behaviour.md, "Code written for Lightning's `MixedPrecision`": "ours wants `fabric.backward(loss)` in every
     format, also in `"fp32"`, where Fabric's `32-true` lets `loss.backward()` through"."""
-    batch = torch.rand(2, 2)
-    plain = L.Fabric(accelerator="cpu", devices=1).setup(linear(2, 2))
+    batch = torch.rand(2, 2, device=device())
+    plain = L.Fabric(accelerator=device(), devices=1).setup(linear(2, 2))
     plain(batch).sum().backward()  # no error
     fabric = fabric_with(MixedPrecisionPlugin("fp32"))
     model = fabric.setup(linear(2, 2))
@@ -361,18 +378,22 @@ def test_fabric_backward_is_required_also_in_fp32():
     fabric.backward(model(batch).sum())
 
 
+@pytest.mark.on_device
 @both_impls
 @both_formats
 def test_fabric_autocast_enters_the_plugins_forward_context(impl, precision):
     """test_fabric.py::test_autocast (upstream mocks the context and checks it is entered and exited)."""
-    fabric = fabric_with(make(impl, precision))
-    layer = nn.Linear(2, 2)
+    plugin = make(impl, precision)
+    fabric = fabric_with(plugin)
+    on = plugin.device  # ours: "cpu" until its first forward (no model is set up here); Fabric's: the fabric's
+    layer, x = nn.Linear(2, 2, device=on), torch.ones(1, 2, device=on)
     with fabric.autocast():
-        assert torch.get_autocast_dtype("cpu") == DTYPE[precision]
-        assert layer(torch.ones(1, 2)).dtype == DTYPE[precision]
-    assert not torch.is_autocast_enabled("cpu") and layer(torch.ones(1, 2)).dtype == torch.float32
+        assert torch.get_autocast_dtype(on) == DTYPE[precision]
+        assert layer(x).dtype == DTYPE[precision]
+    assert not torch.is_autocast_enabled(on) and layer(x).dtype == torch.float32
 
 
+@pytest.mark.on_device
 @both_impls
 @both_formats
 def test_init_module_builds_fp32_parameters(impl, precision):
@@ -384,6 +405,7 @@ def test_init_module_builds_fp32_parameters(impl, precision):
     assert module.weight.dtype == torch.float32 and fabric.setup(module).weight.dtype == torch.float32
 
 
+@pytest.mark.on_device
 @both_formats
 @pytest.mark.parametrize("clip_val, max_norm", [(1e-3, None), (None, 1.0)])
 def test_clip_gradients_clips_the_true_gradients(precision, clip_val, max_norm):
@@ -394,7 +416,7 @@ def test_clip_gradients_clips_the_true_gradients(precision, clip_val, max_norm):
         fabric = fabric_with(make(impl, precision))
         module = linear(1, 1)
         model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-3))
-        fabric.backward(model(torch.full((4, 1), 8.0)).float().sum())
+        fabric.backward(model(torch.full((4, 1), 8.0, device=fabric.device)).float().sum())
         norms[impl] = fabric.clip_gradients(model, optimizer, max_norm=max_norm, clip_val=clip_val)
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
         if clip_val is not None:

@@ -46,6 +46,7 @@ def run(model, plugin, monitor, logger, **kwargs):
 
 
 # ---------------------------------------------------------------------------------------------- what is logged
+@pytest.mark.on_device
 def test_scale_curve_grows_backs_off_after_the_overflow_and_counts_the_skip():
     logger = RecordingLogger()
     plugin = MixedPrecisionPlugin("fp16", init_scale=2.0**8, growth_interval=3)
@@ -60,6 +61,7 @@ def test_scale_curve_grows_backs_off_after_the_overflow_and_counts_the_skip():
     assert all(isinstance(v, float) for _, m in logger.calls for v in m.values())
 
 
+@pytest.mark.on_device
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_without_scaling_the_scale_is_one_and_skips_still_count(precision):
     logger = RecordingLogger()
@@ -69,6 +71,7 @@ def test_without_scaling_the_scale_is_one_and_skips_still_count(precision):
     assert logger.series(SKIPPED) == [(0, 0.0), (1, 0.0), (2, 1.0), (3, 1.0)]
 
 
+@pytest.mark.on_device
 @pytest.mark.parametrize("interval, log_every_n_steps, steps", [(None, 4, [3, 7]), (3, 4, [2, 5, 8]), (None, 0, [])])
 def test_logs_every_n_steps_of_the_trainer_or_its_own_interval(interval, log_every_n_steps, steps):
     logger = RecordingLogger()
@@ -78,6 +81,7 @@ def test_logs_every_n_steps_of_the_trainer_or_its_own_interval(interval, log_eve
     assert [s for s, _ in logger.series(SKIPPED)] == steps
 
 
+@pytest.mark.on_device
 def test_gradient_accumulation_logs_once_per_optimizer_step():
     logger = RecordingLogger()
     plugin = MixedPrecisionPlugin("fp16", init_scale=2.0**8, growth_interval=2)
@@ -85,6 +89,7 @@ def test_gradient_accumulation_logs_once_per_optimizer_step():
     assert logger.series(SCALE) == [(0, 256.0), (1, 256.0), (2, 512.0), (3, 512.0)]
 
 
+@pytest.mark.on_device
 def test_manual_optimization_with_two_optimizers_logs_once_per_training_step():
     logger = RecordingLogger()
     plugin = MixedPrecisionPlugin("fp16", init_scale=4.0, growth_interval=2)
@@ -93,16 +98,19 @@ def test_manual_optimization_with_two_optimizers_logs_once_per_training_step():
 
 
 # ---------------------------------------------------------------------------------------------- errors
+@pytest.mark.on_device
 def test_no_logger_is_refused_at_fit():
     with pytest.raises(MisconfigurationException, match="LossScaleMonitor.*no logger"):
         run(TinyRegressor(), MixedPrecisionPlugin("bf16"), LossScaleMonitor(), logger=False, max_steps=1)
 
 
+@pytest.mark.on_device
 def test_a_trainer_without_the_plugin_is_refused_with_a_hint():
     with pytest.raises(MisconfigurationException, match=r"MixedPrecisionPlugin.*HINT.*plugins="):
         run(TinyRegressor(), None, LossScaleMonitor(), RecordingLogger(), max_steps=1, precision="bf16-mixed")
 
 
+@pytest.mark.on_device
 def test_validate_alone_needs_neither_logger_nor_plugin():
     trainer = L.Trainer(callbacks=[LossScaleMonitor()], **trainer_kwargs())
     (metrics,) = trainer.validate(TinyRegressor(), regression_data())

@@ -237,6 +237,21 @@ def test_a_frozen_fp32_copy_is_made_once_and_refreshed_when_its_value_changes():
     assert torch.equal(copy_, lin.weight.detach().to(BF16))
 
 
+def test_a_frozen_fp32_parameter_gets_a_copy_but_no_gradient_buffer_until_it_is_unfrozen():
+    model = nn.Sequential(nn.Linear(64, 64).requires_grad_(False), nn.Linear(64, 2))  # LoRA's shape: a frozen base
+    masters = watched(model)
+    trainable = sum(p.numel() for p in model[1].parameters())
+    storages = {v.untyped_storage().data_ptr(): v.untyped_storage() for v in masters._grad_views if v is not None}
+    assert sum(s.nbytes() for s in storages.values()) == 4 * trainable  # the frozen 64x64 weight and its bias: none
+    assert len(masters._copies) == 4  # a copy each, frozen ones included: they compute as trainable ones do
+    step(model, masters, torch.randn(2, 64))
+    assert model[0].weight.grad is None and model[1].weight.grad.dtype == torch.float32
+    model[0].requires_grad_(True)  # BaseFinetuning unfreezes it mid-fit: its gradient gets a buffer then
+    step(model, masters, torch.randn(2, 64))
+    assert model[0].weight.grad.dtype == torch.float32 and model[0].weight.grad.abs().sum() > 0
+    assert masters._grad_views[0] is model[0].weight.grad  # the view it was given, filled by the fold
+
+
 def test_lazy_modules_and_pruning_after_the_build_get_copies():
     model = nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 1))
     seen = record_weight_dtypes(model)

@@ -25,6 +25,7 @@ def fit(model, plugin, max_steps=3):
     return trainer
 
 
+@pytest.mark.on_device
 def test_a_forward_overflow_stops_the_run_naming_the_module_in_the_error_the_log_and_the_property(caplog):
     # a clean step checks nothing: the first skip sees the loss was already non-finite (a forward overflow) and arms
     # the forward checks, which name the module from the second skip on
@@ -46,6 +47,7 @@ def test_a_forward_overflow_stops_the_run_naming_the_module_in_the_error_the_log
     assert lines[1:] == [f"step 1 skipped (loss scale 1): {report}"]
 
 
+@pytest.mark.on_device
 def test_a_run_that_stops_at_its_first_skip_says_the_forward_overflowed_and_which_knob_names_the_module(caplog):
     # issue 37: the loss was already non-finite, so naming the first non-finite gradient (`net.3`) as a backward
     # overflow sent the user to the wrong end of the model
@@ -74,6 +76,7 @@ def test_a_run_that_stops_at_its_first_skip_says_the_forward_overflowed_and_whic
     assert (plugin.last_overflow.phase, plugin.last_overflow.module) == ("forward", "net.1")
 
 
+@pytest.mark.on_device
 def test_a_backward_only_overflow_is_named_as_backward_and_the_run_goes_on():
     plugin = MixedPrecisionPlugin("fp16", init_scale=2.0**8)
     fit(Middle(GradAmplifier(2.0**20)), plugin, max_steps=4)  # every step overflows at 2^8 and below
@@ -85,6 +88,7 @@ def test_a_backward_only_overflow_is_named_as_backward_and_the_run_goes_on():
     assert str(report).startswith("backward overflow in `net.0` (Linear): gradient of ")
 
 
+@pytest.mark.on_device
 def test_a_weight_gradient_that_overflows_names_its_own_module():
     # 2^12 x 8 rows of a unit input: the last Linear's weight gradient passes 65504 first, nothing before it
     plugin = MixedPrecisionPlugin("fp16", init_scale=2.0**20, max_scale=2.0**24)
@@ -92,6 +96,7 @@ def test_a_weight_gradient_that_overflows_names_its_own_module():
     assert (plugin.last_overflow.phase, plugin.last_overflow.module) == ("backward", "net.3")
 
 
+@pytest.mark.on_device
 def test_a_clean_run_has_no_overflow_to_report(caplog):
     plugin = MixedPrecisionPlugin("fp16", init_scale=2.0**8)
     with caplog.at_level(logging.WARNING, logger="lightning_mp.lightning.plugin"):
@@ -99,6 +104,7 @@ def test_a_clean_run_has_no_overflow_to_report(caplog):
     assert plugin.skipped_steps == 0 and plugin.last_overflow is None and not caplog.records
 
 
+@pytest.mark.on_device
 def test_a_nan_loss_in_bf16_is_skipped_and_logged_without_a_module_to_blame(caplog):
     plugin = MixedPrecisionPlugin("bf16")
     with caplog.at_level(logging.WARNING, logger="lightning_mp.lightning.plugin"):
@@ -116,6 +122,7 @@ def test_a_nan_loss_in_bf16_is_skipped_and_logged_without_a_module_to_blame(capl
     assert (report.phase, report.module, report.tensor, report.forward_checked) == ("forward", None, "loss", True)
 
 
+@pytest.mark.on_device
 def test_locate_overflows_false_installs_nothing_and_reports_nothing():
     model = Middle(Scale(1e6))
     plugin = MixedPrecisionPlugin("fp16", init_scale=1.0, min_scale=1.0, locate_overflows=False)
@@ -126,6 +133,7 @@ def test_locate_overflows_false_installs_nothing_and_reports_nothing():
     assert all(not m._forward_hooks for m in model.modules())
 
 
+@pytest.mark.on_device
 def test_the_hooks_come_off_at_the_end_of_fit():
     model = Middle(Scale(1.0))
     fit(model, MixedPrecisionPlugin("fp16"))
@@ -139,6 +147,7 @@ def test_locate_overflows_must_be_a_bool_or_forward(bad):
         MixedPrecisionPlugin("fp16", locate_overflows=bad)
 
 
+@pytest.mark.on_device
 def test_lbfgs_steps_reset_the_locator_every_step():
     plugin = MixedPrecisionPlugin("bf16")
     fit(TinyRegressor(optimizer="lbfgs"), plugin, max_steps=3)
@@ -146,6 +155,7 @@ def test_lbfgs_steps_reset_the_locator_every_step():
     assert not plugin.core.locator._records and not plugin.core.locator._found
 
 
+@pytest.mark.on_device
 def test_bf16_arms_its_forward_checks_at_the_first_skip_and_names_the_module_from_the_next(caplog):
     """bf16 starts with gradient checks only (no read of every activation); a forward inf in bf16 is known as a
     forward one by the loss on the first skip, named by its own module from the second skip on, and the run stops
@@ -162,6 +172,7 @@ def test_bf16_arms_its_forward_checks_at_the_first_skip_and_names_the_module_fro
     assert "Where it first went non-finite: forward overflow in `net.1` (Scale)" in str(err.value)
 
 
+@pytest.mark.on_device
 def test_bf16_clean_steps_read_no_activation():
     plugin = MixedPrecisionPlugin("bf16")
     fit(Middle(Scale(2.0)), plugin)

@@ -133,7 +133,7 @@ def test_declared_floors_are_the_versions_ci_tests(wheel):
             oldest[name.strip()] = Version(pinned.strip())
     metadata = _metadata(wheel)
     floors = dict(re.findall(r"^Requires-Dist: ([A-Za-z0-9_.-]+)[^;\n]*?>=([0-9][^,;\s)]*)", metadata, re.MULTILINE))
-    for name in ("torch", "lightning", "torchmetrics", "tensorboard", "jsonargparse"):
+    for name in ("torch", "lightning", "torchmetrics", "tensorboard", "jsonargparse", "torchao"):
         floor = Version(floors[name]).release
         assert floor + (0,) * (3 - len(floor)) == oldest[name].release[:3], (
             f"{name}: setup.cfg declares >={floors[name]}, .ci/constraints-oldest.txt pins {oldest[name]}"

@@ -90,8 +90,14 @@ RUN_HERE = {
                                                "--batch-size", "2", "--steps", "2"], "lightning_mp bf16"),
     "python benchmarks/fabric_benchmark.py": (["--rounds", "1", "--steps", "1", "--warmup", "1", "--batch-size", "2",
                                                "--block-size", "16", "--n-layer", "1", "--n-embd", "32"], "|"),
+    "python benchmarks/after_fabric_benchmark.py --rounds 7": (["--rounds", "1", "--reps", "5"], "vs fresh"),
+    "python benchmarks/lora_memory_benchmark.py": (["--hidden", "64", "--layers", "1", "--vocab", "512", "--seq", "16",
+                                                    "--steps", "1", "--threads", "1"], "peak above base"),
     "python benchmarks/fsdp_benchmark.py --rounds 6 --steps 10": (["--rounds", "1", "--steps", "2", "--warmup", "1"],
                                                                    "vs FSDP2 bf16 policy"),
+    "python benchmarks/fp8_quality.py --max-steps 150 --seeds 3": (
+        ["--max-steps", "2", "--seeds", "2", "--recipes", "rowwise", *TINY_GPT, "--max-bytes", "65536",
+         "--max-val-batches", "1"], "| fp8 rowwise |"),
 }  # fmt: skip
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import lightning_mp
 from lightning_mp import MixedPrecisionPlugin
-from tests.conftest import TinyRegressor, regression_data, trainer_kwargs
+from tests.conftest import TinyRegressor, device, regression_data, trainer_kwargs
 from tests.test_plugin_integration import OneWeight, fit, ones
 
 
@@ -40,6 +40,7 @@ class ManualClip(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+@pytest.mark.on_device
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_manual_clip_gradients_clips_the_true_gradients(precision):
     model = ManualClip()
@@ -49,6 +50,7 @@ def test_manual_clip_gradients_clips_the_true_gradients(precision):
     assert model.updates == pytest.approx([0.01] * 3, rel=1e-5)
 
 
+@pytest.mark.on_device
 @pytest.mark.parametrize("cast", [lambda m: m.half(), lambda m: m.to(torch.bfloat16)], ids=["half", "bf16"])
 def test_a_model_already_in_16_bits_gets_fp32_masters_and_keeps_small_updates(cast):
     model = cast(OneWeight(lr=1e-4))
@@ -62,11 +64,12 @@ def test_a_model_already_in_16_bits_gets_fp32_masters_and_keeps_small_updates(ca
     assert torch.equal(model.w.detach(), reference)  # 0.9950 exactly; without masters it stayed at 1.0
 
 
+@pytest.mark.on_device
 def test_checkpoint_of_lightnings_deprecated_mixed_precision_plugin_alias_hands_over_its_scale(tmp_path):
     from lightning.pytorch.plugins.precision import MixedPrecisionPlugin as DeprecatedAlias
 
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**9, growth_interval=1000)
-    trainer = fit(TinyRegressor(), DeprecatedAlias("16-mixed", "cpu", scaler=scaler), max_steps=2)
+    scaler = torch.amp.GradScaler(device(), init_scale=2.0**9, growth_interval=1000)
+    trainer = fit(TinyRegressor(), DeprecatedAlias("16-mixed", device(), scaler=scaler), max_steps=2)
     trainer.save_checkpoint(tmp_path / "alias.ckpt")
     saved = torch.load(tmp_path / "alias.ckpt", weights_only=False)
     assert "scale" in saved["MixedPrecisionPlugin"]  # GradScaler state under the same key as ours
@@ -85,6 +88,7 @@ class NormLogger(Callback):
         self.ours.append({k: float(v) for k, v in lightning_mp.grad_norm(pl_module, 2).items()})
 
 
+@pytest.mark.on_device
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_grad_norm_sees_every_parameter_and_the_true_gradients(precision):
     runs = {}
@@ -106,6 +110,7 @@ def test_grad_norm_rejects_a_bad_norm_type():
         lightning_mp.grad_norm(nn.Linear(2, 2), -1)
 
 
+@pytest.mark.on_device
 def test_step_scheduler_pickles_and_deep_copies_while_the_skip_guard_is_on():
     class Scheduled(TinyRegressor):
         def configure_optimizers(self):

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import DEFAULT_FP32_MODULES, MixedPrecisionPlugin
 from lightning_mp.fabric import MixedPrecisionPlugin as FabricPlugin
-from tests.conftest import TinyRegressor, inside_forward, trainer_kwargs
+from tests.conftest import TinyRegressor, cpu_only, device, inside_forward, trainer_kwargs
 
 # bf16 keeps 8 significant bits: a few SGD steps of a small MLP end within ~1e-3 of FP32; the bugs this file guards
 # against were 0.13-0.17 off
@@ -89,6 +89,7 @@ class DropsEvenBatches(Mlp):
             optimizer.step(closure=optimizer_closure)
 
 
+@pytest.mark.on_device
 @pytest.mark.parametrize("cls", [ZeroGradAtTop, DropsEvenBatches])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_zero_grad_drops_the_gradients_the_user_means(cls, precision):
@@ -122,6 +123,7 @@ class TwoHeads(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+@pytest.mark.on_device
 def test_two_backwards_through_one_graph_train_as_in_fp32():
     ours, fp32 = TwoHeads(), TwoHeads()
     run(ours, "bf16", max_epochs=2)
@@ -148,6 +150,7 @@ class Watcher(Callback):
         torch._foreach_lerp_(self.ema, params, 0.5)
 
 
+@pytest.mark.on_device
 def test_callbacks_see_fp32_masters_before_backward_and_zero_grad():
     ours, fp32 = Watcher(), Watcher()
     run(Mlp(), "bf16", max_epochs=1, callbacks=[ours])
@@ -172,21 +175,23 @@ class SavesMidStep(Mlp):
         return loss
 
 
+@pytest.mark.on_device
 def test_save_checkpoint_inside_training_step_writes_fp32_masters(tmp_path):
     model = SavesMidStep(tmp_path / "mid.ckpt")
     run(model, "bf16", max_epochs=1)
-    saved = torch.load(tmp_path / "mid.ckpt", weights_only=False)["state_dict"]
+    saved = torch.load(tmp_path / "mid.ckpt", weights_only=False, map_location="cpu")["state_dict"]
     assert {v.dtype for v in saved.values()} == {torch.float32}
-    assert all(torch.equal(saved[k], v) for k, v in model.at_save.items())
+    assert all(torch.equal(saved[k], v.cpu()) for k, v in model.at_save.items())  # taken on the device
 
 
+@pytest.mark.on_device
 def test_on_exception_checkpoint_writes_the_fp32_masters_of_the_last_step(tmp_path):
     model = SavesMidStep(None, fail_at=2)
     with pytest.raises(RuntimeError, match="boom"):
         run(model, "bf16", max_epochs=1, callbacks=[OnExceptionCheckpoint(tmp_path)], enable_checkpointing=True)
-    saved = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)["state_dict"]
+    saved = torch.load(tmp_path / "on_exception.ckpt", weights_only=False, map_location="cpu")["state_dict"]
     assert {v.dtype for v in saved.values()} == {torch.float32}
-    assert all(torch.equal(saved[k], v) for k, v in model.at_save.items())
+    assert all(torch.equal(saved[k], v.cpu()) for k, v in model.at_save.items())
 
 
 # ---------------------------------------------------------------------------------------------- writes
@@ -212,6 +217,7 @@ class ClampsFirst(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-4)
 
 
+@pytest.mark.on_device
 def test_a_write_in_training_step_before_the_forward_keeps_every_update_and_reaches_the_forward():
     reference = torch.tensor([1.0])
     for _ in range(50):
@@ -255,6 +261,7 @@ def tokens(n=4):
     return DataLoader(TensorDataset(torch.randint(0, 128, (n * 2, 32), generator=torch.Generator().manual_seed(0))), batch_size=2)
 
 
+@pytest.mark.on_device
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -288,6 +295,7 @@ class LoRA(L.LightningModule):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
 
 
+@pytest.mark.on_device
 def test_a_frozen_bf16_base_stays_bf16_and_the_adapter_trains_like_bf16_mixed():
     ours, native = LoRA(), LoRA()
     before = ours.base.weight.clone()
@@ -317,6 +325,7 @@ class WithBoosted(Mlp):
         inside_forward(self.net[0].lin, lambda m, a, out: self.seen.add((m.weight.dtype, out.dtype)))
 
 
+@pytest.mark.on_device
 def test_a_listed_module_is_fp32_through_its_whole_subtree():
     model = WithBoosted()
     plugin = MixedPrecisionPlugin("fp16", fp32_modules=(*DEFAULT_FP32_MODULES, Boosted))
@@ -334,12 +343,13 @@ class EmbedMaxNorm(L.LightningModule):
         self.head = nn.Linear(8, 1)
 
     def training_step(self, batch, batch_idx):
-        return self.head(self.emb(torch.tensor([1, 2, 3]))).float().sum()
+        return self.head(self.emb(torch.tensor([1, 2, 3], device=self.device))).float().sum()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.0)  # only the renorm moves the weight
 
 
+@pytest.mark.on_device
 def test_embedding_max_norm_off_the_fp32_list_renormalises_the_fp32_master_as_bf16_mixed_does():
     ours, native = EmbedMaxNorm(), EmbedMaxNorm()
     run(ours, MixedPrecisionPlugin("bf16", fp32_modules=()), data=DataLoader(TensorDataset(torch.zeros(1, 1))), max_epochs=1)
@@ -353,6 +363,7 @@ class LoadedInBf16(Mlp):
         self.net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 1)).to(torch.bfloat16)
 
 
+@pytest.mark.on_device
 def test_a_model_loaded_in_bf16_with_a_layernorm_trains_under_the_trainer_and_fabric():
     ours, native = LoadedInBf16(), LoadedInBf16()
     with pytest.warns(UserWarning, match="already in torch.bfloat16"):
@@ -361,10 +372,11 @@ def test_a_model_loaded_in_bf16_with_a_layernorm_trains_under_the_trainer_and_fa
     assert {p.dtype for p in ours.parameters()} == {torch.float32}
     assert max_diff(ours, native) < BF16_RUN_TOL
 
-    fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricPlugin("bf16")])
+    fabric = Fabric(accelerator=device(), devices=1, plugins=[FabricPlugin("bf16")])
     net = LoadedInBf16().net
     model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     for x, y in data():
+        x, y = x.to(fabric.device), y.to(fabric.device)
         fabric.backward(nn.functional.mse_loss(model(x).float(), y))
         opt.step()
         opt.zero_grad()
@@ -381,6 +393,7 @@ class Float64(Mlp):
         return nn.functional.mse_loss(self(x.double()).float(), y)
 
 
+@pytest.mark.on_device
 def test_float64_parameters_keep_their_dtype_and_train_as_under_bf16_mixed():
     ours, native = Float64(), Float64()
     run(ours, "bf16", max_epochs=1)
@@ -400,6 +413,7 @@ class FailsAfterUnscale(Callback):
             raise RuntimeError("boom after unscale")
 
 
+@pytest.mark.on_device
 def test_an_exception_after_the_unscale_leaves_nothing_for_the_next_fit():
     plugin = MixedPrecisionPlugin("fp16", init_scale=2.0**4)
     with pytest.raises(RuntimeError, match="boom after unscale"):  # on a step whose gradients overflowed
@@ -414,6 +428,9 @@ class SwaBn(Mlp):
         self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
 
 
+@pytest.mark.on_device
+@cpu_only("bitwise: the CPU's BatchNorm on bf16-mixed's bf16 input computes as ours does on its FP32 input and "
+          "rounds alike; on CUDA bf16-mixed runs a mixed-dtype BatchNorm kernel (its own reductions), not ours")
 def test_swa_with_batch_norm_ends_where_bf16_mixed_ends():
     # Lightning's BN-update epoch runs the optimizer once on the last gradients (under 32-true too), so no
     # precision ends exactly on the average; the used gradients of every parameter, FP32-kept ones included,
@@ -425,12 +442,13 @@ def test_swa_with_batch_norm_ends_where_bf16_mixed_ends():
 
 
 # ---------------------------------------------------------------------------------------------- Fabric
+@pytest.mark.on_device
 def test_fabric_load_after_a_forward_without_backward_restores_exact_fp32_values_and_adam_state(tmp_path):
-    fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricPlugin("bf16")])
+    fabric = Fabric(accelerator=device(), devices=1, plugins=[FabricPlugin("bf16")])
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     model, opt = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=1e-2))
-    batches = list(data())
+    batches = [(x.to(fabric.device), y.to(fabric.device)) for x, y in data()]
 
     def step(x, y):
         fabric.backward(nn.functional.mse_loss(model(x).float(), y))
@@ -450,13 +468,15 @@ def test_fabric_load_after_a_forward_without_backward_restores_exact_fp32_values
     assert all(torch.isfinite(p).all() for p in net.parameters())
 
 
+@pytest.mark.on_device
 def test_fabric_clip_by_value_on_an_overflowing_fp16_step_skips_it_and_trains_on():
-    fabric = Fabric(accelerator="cpu", devices=1, plugins=[FabricPlugin("fp16", init_scale=16.0)])
+    fabric = Fabric(accelerator=device(), devices=1, plugins=[FabricPlugin("fp16", init_scale=16.0)])
     torch.manual_seed(0)
     net = nn.Linear(8, 1)
     model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     plugin = fabric.strategy.precision
     for i, (x, y) in enumerate(data()):
+        x, y = x.to(fabric.device), y.to(fabric.device)
         loss = nn.functional.mse_loss(model(x).float(), y) * (1e6 if i == 0 else 1.0)  # past 65504 in FP16
         fabric.backward(loss)
         fabric.clip_gradients(model, opt, clip_val=1.0)

@@ -8,7 +8,7 @@ Where each piece runs in a training step (the front ends only map their framewor
     scale_loss(loss)      loss * scale                                              (LossScaler.scale_loss)
     backward_context()    the backward's GEMMs emulated as the forward's
     fold()                the copies' 16-bit gradients into the Parameters' FP32 .grad (MasterWeights.fold_grads)
-    unscale_(optimizer)   unscale + inf/NaN check, one host sync; on a skip the locator names the culprit
+    unscale_(optimizer)   unscale + inf/NaN check, one host sync (fused optimizers: none); the locator names a skip
     step(optimizer)       skip, or step on the FP32 Parameters (lean bf16: on rebuilt FP32 masters, LeanBf16.step)
     end_training_step()   the scale moves once; a skipped step is logged with where it went non-finite
 
@@ -27,10 +27,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.core.autopilot import Autopilot, split_auto
-from lightning_mp.core.skips import not_resumed, refuse_lbfgs, skip_line, stop_error
+from lightning_mp.core.skips import defer_flags, not_resumed, refuse_lbfgs, skip_line, stop_error
 from lightning_mp.doctor.locator import OverflowLocator
 from lightning_mp.doctor.report import OverflowReport
 from lightning_mp.formats import Format, check_device_supports, resolve_precision
+from lightning_mp.fp8 import Fp8Linears, Fp8Settings
 from lightning_mp.gemm.emulation import GemmEmulation
 from lightning_mp.numerics.distributed import average_fp32_grads_per_step
 from lightning_mp.numerics.grad_layout import named_grads, optimizer_params
@@ -48,7 +49,7 @@ log = logging.getLogger("lightning_mp.plugin")  # the name users filter on for t
 
 class MixedPrecisionCore:
     """The numerics of one run: format, loss scaler, step, master weights, FP32 policy, GEMM choice, locator.
-    The arguments are :class:`lightning_mp.MixedPrecisionPlugin`'s; ``scaler`` holds the dynamic scaler's knobs."""
+    The arguments are :class:`lightning_mp.MixedPrecisionPlugin`'s; ``scaler`` and ``fp8`` hold their knobs."""
 
     def __init__(
         self,
@@ -66,6 +67,7 @@ class MixedPrecisionCore:
         locate_overflows: bool | str,
         gemm: str,
         scaler: ScalerSettings,
+        fp8: Fp8Settings = Fp8Settings(),
     ) -> None:
         self.format: Format = resolve_precision(precision)
         self.lean = lean_bf16(self.format, master_weights, optimizer_state_dtype, parity_guard)
@@ -85,6 +87,7 @@ class MixedPrecisionCore:
         self.policy = Fp32Policy(default_ops if fp32_ops is None else fp32_ops, classes)
         self.autopilot = Autopilot(self.format, calibration_steps, self.policy.keeps_fp32) if auto else None
         self.gemm = GemmEmulation(gemm)
+        self.fp8 = Fp8Linears(self.format.name, fp8, calibration_steps)  # "fp8": bf16, chosen Linears' GEMMs in FP8
         self.step = MixedPrecisionStep(self.scaler, check_finite=check_finite, fp32_grads=self.master_weights)
         self.masters: MasterWeights | None = None
         self.locator: OverflowLocator | None = None
@@ -109,25 +112,20 @@ class MixedPrecisionCore:
             self.masters.convert(module)
         return module
 
-    def connect(
-        self,
-        model: nn.Module,
-        root: nn.Module,
-        optimizers: Sequence[Optimizer],
-        schedulers: Sequence[Any],
-        policy_on: bool = True,
-    ) -> str:
+    def connect(self, model: nn.Module, root: nn.Module, optimizers: Sequence[Optimizer], schedulers: Sequence[Any],
+                hold_kernels: bool = True) -> str:
         """The one-time set-up on the model's device; returns the GEMM verdict for the front end to log.
 
         ``model`` is what runs the forward (a DDP wrapper, say); ``root`` the module whose names reports use.
-        ``policy_on=False`` registers the FP32 policy's kernels switched off (the front end switches them on
-        around its forwards and backwards: ``policy.switched_on()``)."""
+        ``hold_kernels=False``: the FP32 policy's and the emulated GEMMs' kernels are registered only for the blocks
+        of ``forward_context()`` and the front end's backward (Fabric's, which has no end of fit)."""
         self.root = root
         first = next(model.parameters(), None)
         self.device_type = first.device.type if first is not None else "cpu"
         check_device_supports(self.format, self.device_type)
-        verdict = self.gemm.setup(self.device_type, self.format.dtype) if self.format.is_16bit else ""
-        self._handles.append(self.gemm)  # emulated GEMMs: kernels registered until teardown
+        verdict = self.gemm.setup(self.device_type, self.format.dtype, hold_kernels) if self.format.is_16bit else ""
+        verdict = "\n".join(filter(None, (verdict, self.fp8.attach(root, self.device_type, self.format.dtype, self._keeps_fp32))))
+        self._handles.extend((self.gemm, self.fp8))  # emulated GEMMs' kernels, FP8 Linears' forwards: until teardown
         refuse_lbfgs(optimizers, self.scaler.dynamic, self.lean is not None)
         if self.masters is not None:
             self._handles.extend(average_fp32_grads_per_step(model, self.step))
@@ -137,13 +135,13 @@ class MixedPrecisionCore:
             self.step.apply = self.lean.step
         if self.format.is_16bit:
             # the op policy's kernels for the whole fit: backward and checkpointing's recomputation follow it too
-            hold = self.policy.activate(on=policy_on)
-            self._handles.append(hold)
-            self._hold = hold if policy_on else None
-            self._handles.append(self.policy.install(model, self.device_type, kernels_active=True))
+            self._hold = self.policy.activate() if hold_kernels else None  # else: forward_context's op_context()
+            modules = self.policy.install(model, self.device_type, kernels_active=True)
+            self._handles.extend(h for h in (self._hold, modules) if h is not None)
             if self.autopilot is not None:
                 self.autopilot.attach(root, self.device_type)
                 self._handles.append(self.autopilot)
+        defer_flags(self)  # fused optimizers skip on the device, the host reads their flags a step late
         if self.locate_overflows:  # nothing on a clean step; a skip names the first non-finite gradient
             forward = self.locate_overflows == "forward"  # the forward checks from the first step (9-13% of a step)
             locator = self.locator = OverflowLocator(root, input_grads=False, forward=forward)
@@ -158,6 +156,7 @@ class MixedPrecisionCore:
 
     def teardown(self) -> None:
         """Hooks and kernels out, per-step state dropped: a failed fit leaves nothing for the next one."""
+        self.step.settle(stop=False)  # the last step's flag: counted; a stop it would raise comes after the run
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -217,11 +216,10 @@ class MixedPrecisionCore:
         if self.masters is not None:
             self.masters.fold_grads()
 
-    def unscale_(self, optimizer: Optimizer) -> bool:
-        """Unscale and check this optimizer's gradients once per training step; whether the step is skipped."""
+    def unscale_(self, optimizer: Optimizer) -> bool | None:
+        """Unscale and check once per training step; whether the step is skipped (``None``: on the device)."""
         self.fold()  # a bare loss.backward() that bypassed the front end's backward
-        self.step.unscale_(optimizer)
-        return self.step.skipping
+        return self.step.check_(optimizer)
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Skip (``None``) or step; the stepped parameters' copies are refreshed at the next forward.
@@ -239,8 +237,9 @@ class MixedPrecisionCore:
 
     def end_training_step(self, step: int | None, rank_zero: bool = True) -> None:
         """Move the scale once; on a skipped step, say where it overflowed (the locator's one read-back)."""
-        report = None
-        if self.step.in_progress and self.step.skipping:
+        report, self._rank_zero = None, rank_zero
+        self.step.settle()  # the step before this one first (a flag read late): its line, then this step's scale
+        if self.step.in_progress and self.step.decided:  # a flag left on the device: read a step late (defer_flags)
             report = self.locator.report() if self.locator is not None else None
             self.last_overflow = report or self.last_overflow
             if self.locator is not None:
@@ -251,7 +250,8 @@ class MixedPrecisionCore:
             if self.autopilot is not None and located:
                 self.autopilot.demote(report)  # a proposal: the ranks agree in end_step
         if self.autopilot is not None and self.step.in_progress:
-            self.autopilot.end_step(step, skipped=self.step.skipping)  # the agreement: every rank, same steps
+            self.autopilot.end_step(step, skipped=bool(self.step.decided))  # the agreement: every rank, same steps
+        self.fp8.end_step(self.step.in_progress)  # fp8_modules='auto': calibration ends on every rank at one step
         try:
             self.step.end_training_step(step)
         except FloatingPointError as err:
@@ -282,13 +282,14 @@ class MixedPrecisionCore:
 
     def state_dict(self) -> dict[str, Any]:
         """The plugin's checkpoint state: the format, the scaler, and the autopilot's decisions."""
-        state = {"precision": self.format.name, **self.step.state_dict()}
+        state = {"precision": self.format.name, **self.step.state_dict(), **self.fp8.state_dict()}
         if self.autopilot is not None:
             state["auto_fp32_modules"] = self.autopilot.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step.load_state_dict(state)
+        self.fp8.load_state_dict(state)  # fp8_modules='auto''s decisions
         if self.autopilot is not None and "auto_fp32_modules" in state:
             self.autopilot.load_state_dict(state["auto_fp32_modules"])
         elif state.get("auto_fp32_modules", {}).get("modules"):

@@ -9,12 +9,13 @@ reads it so::
 Ours answers the same questions from its :class:`~lightning_mp.numerics.loss_scaler.LossScaler` (``None`` whenever
 the loss is not scaled), and refuses what would move the scale behind the plugin's back: the plugin scales,
 unscales, steps and updates itself, once per training step. Reading it costs no host sync (the scale lives on the
-host), where ``GradScaler.get_scale()`` reads the device.
+host), where ``GradScaler.get_scale()`` reads the device; with a fused optimizer, whose flag stays on the device, a
+read first takes the last step's flag from its non-blocking copy (:mod:`lightning_mp.numerics.deferred`).
 """
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 from lightning_mp.numerics.loss_scaler import LossScaler
 
@@ -50,10 +51,17 @@ class ScalerView:
     ``RuntimeError`` saying what to use instead.
     """
 
-    __slots__ = ("_scaler",)
+    __slots__ = ("_scaler_", "_settle")
 
-    def __init__(self, scaler: LossScaler) -> None:
-        object.__setattr__(self, "_scaler", scaler)
+    def __init__(self, scaler: LossScaler, settle: Callable[[], None] | None = None) -> None:
+        object.__setattr__(self, "_scaler_", scaler)
+        object.__setattr__(self, "_settle", settle)  # reads a flag left on the device first (numerics.deferred)
+
+    @property
+    def _scaler(self) -> LossScaler:
+        if self._settle is not None:
+            self._settle()
+        return self._scaler_
 
     def get_scale(self) -> float:
         return float(self._scaler.scale)
@@ -97,7 +105,7 @@ class ScalerView:
         )
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickle and copy without the refused __setattr__
-        return ScalerView, (self._scaler,)
+        return ScalerView, (self._scaler_, self._settle)
 
     def __repr__(self) -> str:
         return f"ScalerView(mode={self._scaler.mode!r}, scale={self._scaler.scale:g})"

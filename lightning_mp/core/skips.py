@@ -3,19 +3,44 @@ that must be skippable (:class:`lightning_mp.core.MixedPrecisionCore` calls thes
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from typing import Any
 
 from torch.optim import LBFGS, Optimizer
 
 from lightning_mp.doctor.report import OverflowReport
 
+log = logging.getLogger("lightning_mp.plugin")  # the name users filter on for the skip lines
 
-def skip_line(step: int | None, scale: float, report: OverflowReport | None) -> str:
-    """The log line of a skipped step: its number, the scale after the backoff, and where it went non-finite."""
+
+def skip_line(step: int | None, scale: float, report: OverflowReport | None, late: bool = False) -> str:
+    """The log line of a skipped step: its number, the scale after the backoff, and where it went non-finite
+    (``late``: the optimizer skipped on the device and the locator found its gradients gone)."""
     where = f": {report}" if report is not None else ""
     if report is not None and not report.forward_checked:
         where += "; the forward checks are armed now and name the module at the next skipped step"
+    if late:
+        where += ("; the optimizer skipped it on the device and the host read the flag a step later, its gradients "
+                  "gone: from now on the host reads the flag before each step, and the next skipped step is located")
     return f"step {step} skipped (loss scale {scale:g}){where}"
+
+
+def defer_flags(core: Any) -> None:
+    """Let fused optimizers skip on the device (:mod:`lightning_mp.numerics.deferred`), except where a skip must be
+    read at once (the autopilot's decisions, the locator's forward checks from the first step). A skip read a step
+    late is logged; with the locator on, the host reads every flag from then on, so the next skip is named."""
+    step = core.step
+    step.deferral.enabled = core.autopilot is None and core.locate_overflows != "forward"
+
+    def late_skip(number: int | None) -> None:
+        if getattr(core, "_rank_zero", True):
+            log.warning(skip_line(number, core.scaler.scale, None, late=core.locator is not None))
+        if core.locator is not None:
+            core.locator.check_forward = True  # armed, as at a skip read at once
+            step.deferral.enabled = False
+
+    step.on_late_skip = late_skip
 
 
 def stop_error(err: FloatingPointError, report: OverflowReport) -> FloatingPointError:

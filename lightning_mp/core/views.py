@@ -14,8 +14,9 @@ from lightning_mp.core.run import MixedPrecisionCore
 from lightning_mp.core.scaler_view import ScalerView
 from lightning_mp.doctor.report import OverflowReport
 from lightning_mp.formats import Format
+from lightning_mp.fp8 import DEFAULT_FP8_MODULES, DEFAULT_FP8_RECIPE, Fp8Settings
 from lightning_mp.gemm.emulation import GemmEmulation
-from lightning_mp.numerics.loss_scaler import ScalerSettings
+from lightning_mp.numerics.loss_scaler import LossScaler, ScalerSettings
 from lightning_mp.numerics.step import MixedPrecisionStep
 from lightning_mp.policy.ops import DEFAULT_FP32_MODULES
 from lightning_mp.policy.policy import Fp32Policy
@@ -79,6 +80,8 @@ class CoreViews:
         check_finite: bool = True,
         locate_overflows: bool | str = True,
         gemm: str = "auto",
+        fp8_recipe: str = DEFAULT_FP8_RECIPE,
+        fp8_modules: str | Sequence[type[nn.Module] | str] = DEFAULT_FP8_MODULES,
         init_scale: float = _S.init_scale,
         growth_factor: float = _S.growth_factor,
         backoff_factor: float = _S.backoff_factor,
@@ -93,7 +96,7 @@ class CoreViews:
             fp32_modules=fp32_modules, calibration_steps=calibration_steps,
             optimizer_state_dtype=optimizer_state_dtype, parity_guard=parity_guard,
             skip_scheduler_on_overflow=skip_scheduler_on_overflow, check_finite=check_finite,
-            locate_overflows=locate_overflows, gemm=gemm,
+            locate_overflows=locate_overflows, gemm=gemm, fp8=Fp8Settings(fp8_recipe, fp8_modules),
             scaler=ScalerSettings(
                 init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
                 growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
@@ -113,35 +116,41 @@ class CoreViews:
         the Trainer's or Fabric's, read from the model when it is connected (``"cpu"`` until then)."""
         return self.core.device_type
 
+    # The scale and the skips below are exact when read: a flag a fused optimizer left on the device is read first
+    # (from its copy, numerics.deferred). The step counts read nothing.
     @property
     def loss_scale(self) -> float:
         """The scale the next backward uses (1.0 when scaling is off)."""
-        return self.core.scaler.scale
+        return self._settled().scale
 
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped so far because their gradients held inf or NaN."""
-        return self.core.scaler.skipped_steps
+        return self._settled().skipped_steps
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the most recent training step was skipped."""
-        return self.core.scaler.last_step_skipped
+        return self._settled().last_step_skipped
 
     @property
     def last_step_scale(self) -> float:
         """The scale the most recent training step's backward used (before that step's update)."""
-        return self.core.scaler.last_step_scale
+        return self._settled().last_step_scale
 
     @property
     def training_steps(self) -> int:
         """Training steps the scaler has seen, skipped ones included (several optimizers in one step count once)."""
-        return self.core.scaler.steps
+        return self.core.step.steps
 
     @property
     def optimizer_steps(self) -> int:
         """Deprecated name of :attr:`training_steps` (it always counted training steps)."""
-        return self.core.scaler.steps
+        return self.core.step.steps
+
+    def _settled(self) -> LossScaler:
+        self.core.step.settle()
+        return self.core.scaler
 
     @property
     def last_overflow(self) -> OverflowReport | None:
@@ -171,8 +180,9 @@ class CoreViews:
         """The loss scaler as code written for Lightning's ``MixedPrecision`` reads a ``GradScaler``: ``None``
         without loss scaling (bf16 and fp32 by default, as Lightning's is in ``bf16-mixed``), else a read-only
         :class:`~lightning_mp.core.scaler_view.ScalerView` (``get_scale()``, ``is_enabled()``, ``state_dict()``...).
-        The whole scaler, every knob and counter, is ``plugin.core.scaler``."""
-        return ScalerView(self.core.scaler) if self.core.scaler.enabled else None
+        The whole scaler, every knob and counter, is ``plugin.core.scaler`` (one step behind while a fused optimizer's
+        flag is unread; ``plugin.core.step.settle()`` reads it)."""
+        return ScalerView(self.core.scaler, self.core.step.settle) if self.core.scaler.enabled else None
 
     @property
     def policy(self) -> Fp32Policy:
@@ -228,7 +238,7 @@ class CoreViews:
 
     def describe(self) -> str:
         """A Markdown summary of this plugin's settings and its FP32 policy."""
-        s = self.core.scaler
+        s = self._settled()
         masters = "FP32 parameters, 16-bit copies read by the forward" if self.master_weights else "no (autocast only)"
         if self.core.lean is not None:
             lean = self.core.lean
@@ -243,12 +253,15 @@ class CoreViews:
                 f"  growth x{s.growth_factor:g} every {s.growth_interval} clean steps, backoff x{s.backoff_factor:g}, "
                 f"hysteresis {s.hysteresis}, range [{s.min_scale:g}, 2^{_log2(s.max_scale)}]"
             )
-        guard = "on (one host sync per step)" if self.check_finite or s.enabled else "off (no sync, no extra pass)"
+        guard = ("on (one host sync per step, none with fused optimizers)" if self.check_finite or s.enabled
+                 else "off (no sync, no extra pass)")
         lines.append(f"non-finite guard: {guard}; stop after {s.max_consecutive_skips} skipped steps in a row")
         if self.format.is_16bit:
             lines.append(self.gemm.describe())
         if self.core.autopilot is not None:
             lines.append(self.core.autopilot.describe())
+        if self.core.fp8.enabled:
+            lines.append(self.core.fp8.describe())
         return "\n".join(lines) + "\n\n" + self.policy.describe()
 
     def __repr__(self) -> str:

@@ -4,7 +4,8 @@
 TensorBoard tags. See :mod:`lightning_mp.fabric.plugin` for where each piece runs in a Fabric loop.
 """
 
+from lightning_mp.fabric.fp8_monitor import Fp8StatisticsMonitor
 from lightning_mp.fabric.monitor import PrecisionMonitor
 from lightning_mp.fabric.plugin import MixedPrecisionPlugin
 
-__all__ = ["MixedPrecisionPlugin", "PrecisionMonitor"]
+__all__ = ["Fp8StatisticsMonitor", "MixedPrecisionPlugin", "PrecisionMonitor"]

@@ -16,7 +16,7 @@ from lightning_mp.fabric.plugin import MixedPrecisionPlugin
 from lightning_mp.monitors.gradient_range import TAG_HISTOGRAM
 from lightning_mp.doctor.log2_histogram import measure_on_device, Pending, unpack, histogram_kwargs, reference_scale
 from lightning_mp.validation import check_bool, check_int
-from lightning_mp.monitors.base import plugin_metrics, histogram_writers, no_histogram_message
+from lightning_mp.monitors.base import fp8_decision_metrics, plugin_metrics, histogram_writers, no_histogram_message
 
 
 class PrecisionMonitor:
@@ -41,6 +41,8 @@ class PrecisionMonitor:
                                                          skipped step itself)
     ``precision/auto_fp32_modules``                      with ``fp32_modules="auto"``: modules moved to FP32 so far
     ``precision/auto_fp32_decisions``                    text (TensorBoard), one entry per decision with its evidence
+    ``precision/auto_fp8_modules``                       with ``fp8_modules="auto"``: Linears kept in bf16
+    ``precision/auto_fp8_decisions``                     text (TensorBoard), one entry per Linear kept in bf16
     ``precision/parity_drift``, ``.../parity_lost_fraction``  lean bf16's parity guard (see ``LossScaleMonitor``)
     ``precision/grad_log2_magnitude``                    histogram of log2|g| of the step's true FP32 gradients, one
                                                          bucket per octave; loggers with ``add_histogram_raw``
@@ -96,6 +98,7 @@ class PrecisionMonitor:
         self._pending: Pending | None = None
         self._warned = False
         self._logged_decisions = 0
+        self._logged_fp8_decisions = 0
         plugin._listeners.append(self)
 
     def remove(self) -> None:
@@ -125,6 +128,9 @@ class PrecisionMonitor:
             metrics["precision/skipped_steps"] = float(plugin.skipped_steps)
             auto, self._logged_decisions = plugin_metrics(plugin, self._fabric.loggers, self._logged_decisions, step)
             metrics.update(auto)
+            fp8, self._logged_fp8_decisions = fp8_decision_metrics(plugin, self._fabric.loggers,
+                                                                   self._logged_fp8_decisions, step)
+            metrics.update(fp8)
         pending, self._pending = self._pending, None
         histograms: dict[str, list[int]] = {}
         if pending is not None:

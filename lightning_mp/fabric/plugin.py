@@ -7,13 +7,13 @@ Where each piece runs in one iteration of a Fabric loop::
                               forward_context, which Fabric's module wrapper enters around forward:
                                 the device set-up on the first forward                           (core.connect)
                                 copies refreshed where their masters changed                      (core.begin)
-                                autocast + GEMM emulation, the FP32 policy's kernels switched on
+                                autocast + GEMM emulation, the FP32 policy's kernels (until the backward)
                                 floating outputs come back as FP32 (as from Fabric's own MixedPrecision),
                                 so a loss computed in the loop, outside autocast, is an FP32 loss
-    fabric.backward(loss)     loss * scale, the backward (policy on: checkpoint recomputation follows it),
+    fabric.backward(loss)     loss * scale, the backward (kernels again: checkpoint recomputation follows them),
                               post_backward: the copies' 16-bit grads folded into FP32 .grad     (core.fold)
     fabric.clip_gradients     unscale + inf/NaN check, one host sync; clipping sees the true FP32 gradients
-    optimizer.step()          skip or step, one scale update per optimizer.step()   (core.end_training_step)
+    optimizer.step()          skip or step (fused: on the device), one scale update (core.end_training_step)
 
 The model's Parameters hold their FP32 masters at every moment, so the optimizer (and its state),
 ``model.state_dict()``, ``fabric.save``/``fabric.load`` (also right after a forward whose loss is never
@@ -26,8 +26,9 @@ built with: the refresh puts the new values in other tensors (:mod:`lightning_mp
 mixed precision casts fresh ones at every forward.
 
 Fabric has no ``connect`` and no end of fit: the one-time set-up that needs the device runs on the first forward,
-the FP32 policy's kernels are registered then (switched on only inside forwards and backwards, so other autocast
-users in the process are untouched between steps) and released when the plugin is garbage-collected.
+and the FP32 policy's and the emulated GEMMs' kernels are registered from each forward to the end of its backward
+(or of the forward, under ``no_grad``; or to the next ``optimizer.step()``): between iterations, and after the loop
+with the plugin and the model alive, other torch code in the process runs as in a fresh one.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import Precision as FabricPrecision
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -48,7 +50,6 @@ from lightning_mp.core import CoreViews, MixedPrecisionCore
 from lightning_mp.formats import upcast
 from lightning_mp.numerics.checkpoint_compat import is_gradscaler_state, take_gradscaler_state
 from lightning_mp.numerics.distributed import world_size
-
 
 
 class MixedPrecisionPlugin(CoreViews, FabricPrecision):
@@ -80,8 +81,10 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
         self._pending: list[nn.Module] = []  # converted modules whose device set-up waits for the first forward
         self._listeners: list[Any] = []  # PrecisionMonitor objects, told about every optimizer step
         self._force_refresh = True  # the next forward refreshes every trainable copy (set by optimizer steps)
-        # the kernels outlive every forward (registering is the expensive part); they go with the plugin
+        self._kernels: list[Any] = []  # the FP32 policy's hold from a forward to the end of its backward
+        # Fabric never calls teardown: the copies' hooks and buffers, and any kernels still held, go with the plugin
         weakref.finalize(self, MixedPrecisionCore.teardown, self.core)
+        weakref.finalize(self, _release, self._kernels, self.core.gemm)
 
     def __repr__(self) -> str:  # Lightning's "invalid plugin" error names it: say it is the Fabric one
         return f"lightning_mp.fabric.MixedPrecisionPlugin({self.core.format.name!r})"
@@ -104,7 +107,8 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
                 "with strategy='ddp'."
             )
         root = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
-        self.core.connect(root, root, [], [], policy_on=False)
+        if self.core.connect(root, root, [], [], hold_kernels=False) and self.core.fp8.enabled:
+            rank_zero_info(self.core.fp8.describe())  # which Linears compute in FP8, and emulated or not
 
     def guard_schedulers(self, *schedulers: Any) -> None:
         """Make ``scheduler.step()`` a no-op right after a skipped ``optimizer.step()``, for the learning-rate
@@ -114,8 +118,18 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
 
     @override
     def teardown(self) -> None:
+        _release(self._kernels, self.core.gemm)
         self.core.teardown()
         self._pending.clear()
+
+    def _hold_kernels(self) -> bool:
+        """The FP32 policy's and the emulated GEMMs' kernels from a forward to the end of its backward: one registration
+        (about 3 ms) per iteration, not one per forward and per backward; none between. Whether this call made it."""
+        if self._kernels or not self.core.format.is_16bit:
+            return False
+        self._kernels.append(self.core.policy.activate())
+        self.core.gemm.hold()
+        return True
 
     # ------------------------------------------------------------------ forward
     @override
@@ -127,8 +141,13 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
         self._set_up_pending()
         self.core.begin(force=self._force_refresh)
         self._force_refresh = False
-        with self.core.policy.switched_on(), self.core.forward_context():
-            yield
+        registered = self._hold_kernels()
+        try:
+            with self.core.forward_context():
+                yield
+        finally:
+            if registered and not torch.is_grad_enabled():  # no backward follows (evaluation): released at once
+                _release(self._kernels, self.core.gemm)
 
     @override
     def convert_input(self, data: Any) -> Any:
@@ -155,8 +174,13 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
     def backward(  # type: ignore[override]
         self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any
     ) -> None:
-        with self.core.policy.switched_on(), self.core.backward_context():
-            super().backward(self.core.scale_loss(tensor), model, *args, **kwargs)
+        # the policy's kernels for the block too: checkpointing recomputes forwards inside the backward
+        policy = self.core.policy.op_context() if self.core.format.is_16bit else contextlib.nullcontext()
+        try:
+            with policy, self.core.backward_context():
+                super().backward(self.core.scale_loss(tensor), model, *args, **kwargs)
+        finally:
+            _release(self._kernels, self.core.gemm)
 
     @override
     def post_backward(self, tensor: Tensor, module: nn.Module | None) -> None:  # type: ignore[override]
@@ -190,7 +214,8 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
             listener.before_optimizer_step(optimizer)  # true FP32 gradients, also on a step about to be skipped
         output = self.core.optimizer_step(optimizer, **kwargs)
         self._force_refresh = True
-        self.core.end_training_step(self.core.scaler.steps)  # Fabric has no global step: the plugin's own count
+        _release(self._kernels, self.core.gemm)  # a forward whose loss was not back-propagated held them
+        self.core.end_training_step(self.core.step.steps)  # Fabric has no global step: the plugin's own count
         for listener in self._listeners:
             listener.after_optimizer_step(optimizer)
         return output
@@ -208,12 +233,18 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
             self.core.load_state_dict(state_dict)
 
 
+def _release(kernels: list[Any], gemm: Any) -> None:
+    """The kernels :meth:`MixedPrecisionPlugin._hold_kernels` holds, released (idempotent)."""
+    while kernels:
+        kernels.pop().remove()
+        gemm.remove()
+
+
 def _zero_grad_tensor(optimizer: Optimizer) -> Tensor:
     first = next((p for group in optimizer.param_groups for p in group["params"]), None)
     t = torch.zeros((), device=first.device if first is not None else "cpu")
     t.grad = torch.zeros_like(t)
     return t
-
 
 
 __all__ = ["MixedPrecisionPlugin"]

@@ -24,13 +24,13 @@ one below autograd (see ``_kernel``), registered for the GEMMs only, so no other
 makes a Python call for every one); it uses the mode only under ``torch.inference_mode``, whose tensors skip that
 key.
 
-Whether to emulate is decided per (device type, dtype): bf16 and fp16 differ on the same CPU.
-The verdict per (device type, dtype) comes from :mod:`lightning_mp.gemm.support`.
+Whether to emulate is decided per (device type, dtype), by :mod:`lightning_mp.gemm.support`: bf16 and fp16 differ.
 
 ``torch.compile`` traces the kernels: Dynamo and AOTAutograd run them on fake and functional tensors, and the graph
 they build holds the upcast, the FP32 GEMM and the rounding (see :func:`_emulate`), so compiled code computes what
 eager emulation computes with no Python call per GEMM. Inductor may then fuse a rounding into the next op and keep
-its FP32 value (its ``emulate_precision_casts`` is off by default), as it does for native 16-bit code.
+its FP32 value (its ``emulate_precision_casts`` is off by default), as it does for native 16-bit code. The compile
+caches' key names the emulated format (:mod:`lightning_mp.compile_key`): native and emulated graphs never mix.
 
 Not covered: in-place and ``out=`` variants (``addmm_``, ``torch.mm(..., out=)``) run natively; fused kernels
 called from inside other handlers are not seen; the mode (inference mode only) is for eager execution.
@@ -50,6 +50,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_mp.compile_key import count_part
 from lightning_mp.gemm.ops import _FP32_CALLS, _FP32_OUTPUTS, EMULATED_OPS
 from lightning_mp.gemm.staging import _Staging
 from lightning_mp.gemm.support import GemmSupport, _dtype_name, _warn_slow_once, cpu_capability, gemm_support
@@ -144,10 +145,9 @@ class EmulatedGemmMode(TorchDispatchMode):
 # key, so under inference mode (Lightning's validate, test, predict) the mode runs instead.
 class _Emulating(threading.local):
     """The thread's emulation while a run's context is entered: (dtype, staging), else None. Per thread, as the
-    mode is: the CPU backward runs on the thread that calls ``backward()``."""
+    mode is: the CPU backward runs on the thread that calls ``backward()``. A thread that never set it reads None."""
 
-    def __init__(self) -> None:
-        self.state: tuple[torch.dtype, _Staging] | None = None
+    state: tuple[torch.dtype, _Staging] | None = None
 
 
 _EMULATING = _Emulating()
@@ -158,10 +158,9 @@ _KERNELS_LOCK = threading.RLock()  # re-entrant: a dropped run's finalizer may r
 # Ops with no derivative in torch: their autograd kernel is torch's "not implemented" fallback, which calls the op
 # below ADInplaceOrView, so their kernels sit at the Autograd key instead (the fused inference paths, and the
 # flash attention's backward, which runs inside the backward with no graph to record).
-_NO_DERIVATIVE = frozenset({
-    aten._addmm_activation.default, aten._native_multi_head_attention.default,
-    aten._transformer_encoder_layer_fwd.default, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-})
+_NO_DERIVATIVE = frozenset({aten._addmm_activation.default, aten._native_multi_head_attention.default,
+                            aten._transformer_encoder_layer_fwd.default,
+                            aten._scaled_dot_product_flash_attention_for_cpu_backward.default})
 
 
 def _kernel(op: Any) -> Callable[..., Any]:
@@ -169,9 +168,7 @@ def _kernel(op: Any) -> Callable[..., Any]:
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         state = _EMULATING.state
-        if no_derivative and torch.is_grad_enabled() and any(
-            isinstance(a, Tensor) and a.requires_grad for a in args
-        ):
+        if no_derivative and torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
             raise NotImplementedError(f"{op} has no derivative in torch, so it cannot run on tensors that require "
                                       "grad. HINT: call it under torch.no_grad().")
         if state is not None:
@@ -186,8 +183,8 @@ def _kernel(op: Any) -> Callable[..., Any]:
 
 
 def _hold_kernels(delta: int) -> None:
-    """One more (``+1``) or one less (``-1``) run holding the kernels; the first registers them, the last takes
-    them out (a table update per op: once per fit, not per step)."""
+    """One more (``+1``) or one less (``-1``) run or block holding the kernels (``0``: none); the first registers
+    them, the last takes them out (a table update per op: about 0.3 ms in all)."""
     with _KERNELS_LOCK:
         _KERNELS[0] += delta
         if _KERNELS[0] == 1 and _KERNELS[1] is None:
@@ -225,9 +222,10 @@ class GemmEmulation:
         self._staging = _Staging()  # shared by every step's mode: its buffers outlive one op
         self._release: weakref.finalize | None = None  # this run's hold on the kernels (from setup to remove)
 
-    def setup(self, device_type: str, dtype: torch.dtype) -> str:
+    def setup(self, device_type: str, dtype: torch.dtype, hold: bool = True) -> str:
         """Decide for this run (detection is cached per process), warn once if 16-bit is slow and emulation is
-        off, and return the one line to log."""
+        off, and return the one line to log. ``hold=False``: no kernels from setup to ``remove()`` (Fabric's, which
+        has no end of fit: :meth:`hold` spans what it needs, and :meth:`context` registers them where nothing does)."""
         self.dtype = dtype
         if dtype not in (torch.bfloat16, torch.float16):
             self.support, self.emulated = None, False
@@ -236,13 +234,18 @@ class GemmEmulation:
         self.emulated = self.gemm == "emulated" or (self.gemm == "auto" and not self.support.native)
         if not self.support.native and not self.emulated:
             _warn_slow_once(self.support)
+        if hold:
+            self.hold()
+        return self.describe()
+
+    def hold(self) -> None:
+        """Where emulated: the kernels registered until :meth:`remove` (idempotent)."""
         if self.emulated and self._release is None:
             _hold_kernels(+1)
             self._release = weakref.finalize(self, _hold_kernels, -1)  # also if the run is dropped without remove
-        return self.describe()
 
     def remove(self) -> None:
-        """The end of the run: its hold on the kernels goes (idempotent; the mode needs none)."""
+        """The end of the run or of a :meth:`hold`: the kernels go with the last hold (idempotent)."""
         if self._release is not None:
             self._release()  # a finalizer runs once
             self._release = None
@@ -251,22 +254,27 @@ class GemmEmulation:
         return {**self.__dict__, "_release": None}
 
     def context(self) -> contextlib.AbstractContextManager:
-        """Emulation where it is in force, else a no-op (native runs pay nothing): the kernels after ``setup``,
-        the mode under ``torch.inference_mode`` or without a hold."""
+        """Emulation where it is in force, else a no-op (native runs pay nothing): the kernels (the run's, or
+        registered for the block where the run holds none), the mode under ``torch.inference_mode``."""
         return self._emulating() if self.emulated else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _emulating(self) -> Iterator[None]:
-        before = _EMULATING.state
+        before, inference, name = _EMULATING.state, torch.is_inference_mode_enabled(), _dtype_name(self.dtype)
+        block = int(self._release is None and not inference)  # 1: no hold for the run, so one for this block
+        _hold_kernels(block)  # registers the kernels where nothing holds them (a table update per op, about 0.3 ms)
+        count_part("gemm_emulated", name, +1)  # compile caches keep these graphs apart (lightning_mp.compile_key)
         try:
-            if self._release is not None and not torch.is_inference_mode_enabled():
-                _EMULATING.state = (self.dtype, self._staging)
-                yield
-            else:
+            if inference:
                 with EmulatedGemmMode(self.dtype, self._staging):
                     yield
+            else:
+                _EMULATING.state = (self.dtype, self._staging)
+                yield
         finally:
             _EMULATING.state = before
+            count_part("gemm_emulated", name, -1)
+            _hold_kernels(-block)
             self._staging.clear()  # reused within one forward or one backward, released between them
 
     def describe(self) -> str:

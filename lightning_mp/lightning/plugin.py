@@ -36,7 +36,7 @@ class MixedPrecisionPlugin(CoreViews, Precision):
     :class:`lightning_mp.ScalerSettings`; :class:`lightning_mp.LossScaler` documents each.
 
     Args:
-        precision: ``"fp16"``, ``"bf16"`` or ``"fp32"`` (aliases: ``"16"``, ``"16-mixed"``, ``"bf16-mixed"``,
+        precision: ``"fp16"``, ``"bf16"``, ``"fp8"`` or ``"fp32"`` (aliases: ``"16"``, ``"16-mixed"``, ``"bf16-mixed"``,
             ``"32"``, ``"32-true"``). ``"fp32"`` is a passthrough: bit-identical to a Trainer without the plugin,
             plus the guard that skips steps with non-finite gradients.
         master_weights: forward and backward read 16-bit copies of the parameters while the Parameters
@@ -68,8 +68,8 @@ class MixedPrecisionPlugin(CoreViews, Precision):
             ``precision/parity_*`` tags and a warning past one bf16 ulp. 0 (default): off, free.
         skip_scheduler_on_overflow: ``interval="step"`` learning-rate schedulers do not advance on a skipped step.
         check_finite: check the gradients for inf/NaN before every optimizer step and skip such steps, also when
-            the loss is not scaled (bf16, fp32): one fused read of the gradients and one device->host sync per
-            step, which Lightning's ``bf16-mixed`` does not pay. ``False`` with no loss scaling removes both.
+            the loss is not scaled (bf16, fp32): one fused read of the gradients and, unless the optimizer is fused
+            (it skips on the device), one device->host sync per step. ``False`` with no loss scaling removes both.
         locate_overflows: on a skipped step, name where it went non-finite (:class:`lightning_mp.OverflowLocator`):
             the first non-finite gradient in backward order, and from then on the first module whose forward
             output went non-finite; in a log line, :attr:`last_overflow` and the ``FloatingPointError`` that stops
@@ -80,6 +80,11 @@ class MixedPrecisionPlugin(CoreViews, Precision):
         gemm: how 16-bit matrix products run: ``"auto"`` (default) emulates them with FP32 GEMMs on the 16-bit
             values only where the device has no native 16-bit arithmetic (many CPUs do bf16 but not fp16);
             ``"native"`` always uses torch's 16-bit kernels; ``"emulated"`` always emulates.
+        fp8_recipe: with ``"fp8"`` (bf16 whose chosen Linears multiply in FP8 through torchao; ``docs/fp8.md``):
+            ``"rowwise"`` (default), ``"tensorwise"``, ``"rowwise_with_gw_hp"`` or ``"mxfp8"``.
+        fp8_modules: with ``"fp8"``, which Linears: ``"default"`` (torchao's size rule, output head in bf16), or a
+            list of module names and classes whose Linears compute in FP8; ``"auto"`` (alone or in the list): those,
+            measured for ``calibration_steps`` steps in bf16, the ones FP8 hurts kept in bf16.
     """
 
     def _set_up_front_end(self) -> None:

@@ -28,6 +28,7 @@ class _PrecisionMonitor(Callback):
         self._plugin: MixedPrecisionPlugin | None = None
         self._seen_steps = 0
         self._logged_decisions = 0
+        self._logged_fp8_decisions = 0
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -89,6 +90,25 @@ def plugin_metrics(plugin: Any, loggers: Iterable[Any], logged: int, step: int) 
             for decision in decisions[logged:]:
                 writer.add_text(TAG_AUTO_TEXT, str(decision), step)
     return {**metrics, TAG_AUTO_COUNT: float(len(decisions))}, len(decisions)
+
+
+TAG_AUTO_FP8_COUNT = "precision/auto_fp8_modules"  # scalar: Linears fp8_modules='auto' keeps in bf16
+TAG_AUTO_FP8_TEXT = "precision/auto_fp8_decisions"  # text: one entry per Linear kept in bf16, with its evidence
+
+
+def fp8_decision_metrics(plugin: Any, loggers: Iterable[Any], logged: int, step: int) -> tuple[dict[str, float], int]:
+    """With ``fp8_modules="auto"``, once calibration ended: the count of Linears kept in bf16 as a metric, and each
+    decision not logged yet (``logged`` of them were) as a text entry (TensorBoard). Returns the metrics and the new
+    count of logged decisions."""
+    autopilot = getattr(plugin.core.fp8, "autopilot", None)
+    if autopilot is None or autopilot.calibrating:
+        return {}, logged
+    decisions = autopilot.decisions
+    for writer in (getattr(lg, "experiment", None) for lg in loggers):
+        if hasattr(writer, "add_text"):
+            for decision in decisions[logged:]:
+                writer.add_text(TAG_AUTO_FP8_TEXT, str(decision), step)
+    return {TAG_AUTO_FP8_COUNT: float(len(decisions))}, len(decisions)
 
 
 def histogram_writers(loggers: Iterable[Any]) -> list[Any]:

@@ -1,7 +1,9 @@
 """Log the loss scale and the running count of skipped steps to every logger, one point per optimizer step.
 
-Everything logged here is a Python number the plugin already holds on the host (the scale and the skip counter
-live there, see :mod:`lightning_mp.numerics.loss_scaler`), so this callback adds no device sync and no device work.
+Everything logged here is a Python number the plugin holds on the host (the scale and the skip counter live there,
+see :mod:`lightning_mp.numerics.loss_scaler`), so this callback adds no device work. With a fused optimizer the
+step's flag stays on the device and the host holds those numbers one step late: at a logging step the callback reads
+the flag's copy (:mod:`lightning_mp.numerics.deferred`), and on the other steps nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 # the shared base lives in monitor_base; these names stay importable from here
-from lightning_mp.monitors.base import _logger_step, _PrecisionMonitor, plugin_metrics  # noqa: F401
+from lightning_mp.monitors.base import _logger_step, _PrecisionMonitor, fp8_decision_metrics, plugin_metrics  # noqa: F401
 from lightning_mp.validation import check_int
 
 
@@ -35,6 +37,8 @@ class LossScaleMonitor(_PrecisionMonitor):
     ``precision/auto_fp32_modules``   with ``fp32_modules="auto"``: module instances moved to FP32 so far
     ``precision/auto_fp32_decisions`` text (loggers with ``add_text``: TensorBoard), one entry per decision:
                                       the module, the step and the evidence, at the first point after it
+    ``precision/auto_fp8_modules``    with ``fp8_modules="auto"``, after calibration: Linears kept in bf16
+    ``precision/auto_fp8_decisions``  text (TensorBoard), one entry per Linear kept in bf16, with its evidence
     ``precision/parity_drift``        with ``master_weights="compensated"`` and ``parity_guard``: relative drift
                                       of the lean parameters from their FP32 shadows after the step
     ``precision/parity_lost_fraction`` the fraction of the shadows' updates the lean values lost
@@ -80,6 +84,8 @@ class LossScaleMonitor(_PrecisionMonitor):
         }
         auto, self._logged_decisions = plugin_metrics(plugin, trainer.loggers, self._logged_decisions, step)
         metrics.update(auto)
+        fp8, self._logged_fp8_decisions = fp8_decision_metrics(plugin, trainer.loggers, self._logged_fp8_decisions, step)
+        metrics.update(fp8)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 

@@ -2,9 +2,10 @@
 gradients fold into the FP32 ``.grad``.
 
 Where: views of one flat buffer per device (:func:`flat_views`), allocated when the parameter set is built; the
-FP32 gradients they fold into are views of another. Both steady-state passes over them (the refresh in
-``MasterWeights``, the fold here) are C-level ``map`` passes over the parameters: a Python loop per parameter costs
-several times more inside a fit, where the backward has evicted the interpreter's data from the caches.
+FP32 gradients they fold into are views of another, for the trainable parameters only (:func:`grad_views`). Both
+steady-state passes over them (the refresh in ``MasterWeights``, the fold here) are C-level ``map`` passes over the
+parameters: a Python loop per parameter costs several times more inside a fit, where the backward has evicted the
+interpreter's data from the caches.
 
 A copy that a live graph still holds (:func:`held`) is not written in place: autograd checks the version of every
 tensor it saved, so a refresh in place would make that graph's backward raise ("modified by an inplace operation"),
@@ -83,7 +84,7 @@ def fold_grads(params: list[nn.Parameter], copies: list[Tensor], views: list[Ten
             continue
         c.grad = None
         if g32_ is None:
-            p.grad = view
+            p.grad = view = view if view is not None else torch.empty_like(p)  # frozen at the last refresh
             fresh_dst.append(view)
             fresh_src.append(g16_)
         else:
@@ -111,7 +112,9 @@ def fold_retired(retired: list[tuple[nn.Parameter, Tensor]], slot_of: dict[int, 
                 p.grad.add_(g16.to(p.grad.device))
             else:
                 slot = slot_of.get(id(p))
-                view = views[slot] if slot is not None else torch.empty_like(p)  # a Parameter dropped since
+                view = views[slot] if slot is not None else None
+                if view is None:  # a Parameter dropped or frozen since
+                    view = torch.empty_like(p)
                 p.grad = view
                 view.copy_(g16)
     return [(p, c) for p, c in retired if in_a_graph(c)]
@@ -146,6 +149,17 @@ def refresh_apart(stale: Iterable[int], params: list[nn.Parameter], copies: list
     # a home in use again folds as a copy; one that nothing holds gets no more gradients
     current = set(map(id, copies))
     return [(p, c) for p, c in retired if id(c) not in current and (in_a_graph(c) or c.grad is not None)]
+
+
+def grad_views(params: list[nn.Parameter], views: list[Tensor | None] | None = None) -> list[Tensor | None]:
+    """The FP32 gradients :func:`fold_grads` fills: a view of a flat buffer per trainable parameter, ``None`` for a
+    frozen one, which never gets a gradient (a buffer for it would hold 4 B of zeros per parameter: LoRA's frozen base
+    is most of a model). ``views``: the ones a parameter has already, kept; those unfrozen since share a new buffer."""
+    views = list(views) if views is not None else [None] * len(params)
+    missing = [i for i, p in enumerate(params) if p.requires_grad and views[i] is None]
+    for i, view in zip(missing, flat_views([params[i] for i in missing], torch.float32, leaf=False)):
+        views[i] = view
+    return views
 
 
 def flat_views(params: list[Tensor], dtype: torch.dtype, leaf: bool) -> list[Tensor]:

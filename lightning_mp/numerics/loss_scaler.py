@@ -17,9 +17,10 @@ The state machine (Megatron's meaning of hysteresis):
   with :class:`FloatingPointError`: persistent non-finite gradients are a bug in the model or data, and skipping
   them forever would silently train nothing.
 
-The state lives on the host as Python numbers. Deciding whether to skip a step needs the overflow flag on the
-host anyway (one device->host sync per optimizer step, the same one ``torch.amp.GradScaler.step`` makes), so
-keeping the scale on the host costs nothing more and makes the machine testable without tensors.
+The state lives on the host as Python numbers, moved by :meth:`LossScaler.update` with each step's flag read on the
+host. Where that flag stays on the device (a fused optimizer skips there, :mod:`lightning_mp.numerics.deferred`), the
+host moves one step late, and the next step's scale is picked on the device between the two values this machine
+would move to (:meth:`LossScaler.branches`): the same numbers, with no second state machine to keep in step.
 """
 
 from __future__ import annotations
@@ -146,6 +147,9 @@ class LossScaler:
         self.last_step_scale = self.scale  # the scale the most recent step's backward used
         self.steps = 0  # state-machine updates so far: training steps, skipped ones included
         self._inv_scale: Tensor | None = None
+        # [scale, 1/scale] of the next step, picked on the device while the host has not read the last step's flag
+        # (numerics.deferred); None once update() has caught up: the host numbers are exact again
+        self.device_next: Tensor | None = None
 
     @classmethod
     def from_settings(cls, mode: str | float | None, settings: ScalerSettings) -> LossScaler:
@@ -161,7 +165,12 @@ class LossScaler:
         return self.mode is not None
 
     def scale_loss(self, loss: Tensor) -> Tensor:
-        return loss * self.scale if self.enabled else loss
+        if self.device_next is None:
+            return loss * self.scale if self.enabled else loss
+        scale = self.device_next[0].to(loss.device)
+        if loss.dtype in (torch.float16, torch.bfloat16):  # as ``loss * float``: in FP32, rounded once to 16 bits
+            return (loss.float() * scale).to(loss.dtype)
+        return loss * scale.to(loss.dtype)  # FP64: the FP32 scale, the host's double where it is a power of two
 
     @without_grad
     def unscale_and_check_(self, grads: list[Tensor]) -> Tensor:
@@ -176,13 +185,13 @@ class LossScaler:
             return torch.zeros(())
         device = grads[0].device
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        inv = self._inv_scale_on(device)
+        inv = self._inv_scale_on(device) if self.device_next is None else self.device_next[1]
         for (dev, _), idx in by_device_and_dtype(grads).items():
             group = [grads[i] for i in idx]
             flag = found_inf if dev == device else torch.zeros((), dtype=torch.float32, device=dev)
             torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv.to(dev))
-            if flag is not found_inf:
-                found_inf += flag.to(device)
+            if flag is not found_inf:  # a maximum: a fused optimizer skips on exactly 1.0
+                torch.maximum(found_inf, flag.to(device), out=found_inf)
         return found_inf
 
     def _inv_scale_on(self, device: torch.device) -> Tensor:
@@ -197,36 +206,40 @@ class LossScaler:
         if self._inv_scale is not None:
             self._inv_scale.fill_(1.0 / scale)
 
+    def branches(self) -> tuple[float, float]:
+        """The scale :meth:`update` leaves after a clean step and after an overflow (an overflow that stops the run
+        leaves the scale where it is)."""
+        clean, overflow = self._moved(False)[0], self._moved(True)[0]
+        return clean, (overflow if overflow >= self.min_scale else self.scale)
+
+    def _moved(self, found_inf: bool) -> tuple[float, int, int]:
+        """(scale, growth tracker, hysteresis tracker) after one more step of the dynamic machine."""
+        if not found_inf:
+            if self.growth_tracker + 1 >= self.growth_interval:
+                return min(self.scale * self.growth_factor, self.max_scale), 0, self.hysteresis
+            return self.scale, self.growth_tracker + 1, self.hysteresis_tracker
+        hysteresis = self.hysteresis_tracker - 1
+        return (self.scale * self.backoff_factor if hysteresis <= 0 else self.scale), 0, hysteresis
+
     def update(self, found_inf: bool, step: int | None = None) -> None:
         """Advance the state machine by one optimizer step (call once per training step)."""
+        self.device_next = None
         self.last_step_skipped = bool(found_inf)
         self.last_step_scale = self.scale
         self.steps += 1
-        if not found_inf:
-            self.consecutive_skips = 0
-            if self.dynamic:
-                self.growth_tracker += 1
-                if self.growth_tracker >= self.growth_interval:
-                    self.growth_tracker = 0
-                    self.hysteresis_tracker = self.hysteresis
-                    self._set_scale(min(self.scale * self.growth_factor, self.max_scale))
-            return
-
-        self.skipped_steps += 1
-        self.consecutive_skips += 1
+        self.consecutive_skips = self.consecutive_skips + 1 if found_inf else 0
+        self.skipped_steps += bool(found_inf)
         where = f"step {step}" if step is not None else "this step"
         if self.dynamic:
-            self.growth_tracker = 0
-            self.hysteresis_tracker -= 1
-            if self.hysteresis_tracker <= 0:
-                new_scale = self.scale * self.backoff_factor
-                if new_scale < self.min_scale:
-                    raise FloatingPointError(
-                        f"Non-finite gradients at {where} with loss scale {self.scale:g}: backing off would take "
-                        f"the scale to {new_scale:g}, below min_scale={self.min_scale:g} "
-                        f"({self.consecutive_skips} skipped steps in a row). {_HINT}"
-                    )
-                self._set_scale(new_scale)
+            scale, self.growth_tracker, self.hysteresis_tracker = self._moved(found_inf)
+            if scale < self.min_scale:
+                raise FloatingPointError(
+                    f"Non-finite gradients at {where} with loss scale {self.scale:g}: backing off would take "
+                    f"the scale to {scale:g}, below min_scale={self.min_scale:g} "
+                    f"({self.consecutive_skips} skipped steps in a row). {_HINT}"
+                )
+            if scale != self.scale:
+                self._set_scale(scale)
         if self.consecutive_skips >= self.max_consecutive_skips:
             # the scale this step's backward used (the skip line's, ``last_step_scale``'s), not the one after backoff
             used = self.last_step_scale
@@ -256,6 +269,7 @@ class LossScaler:
         missing = {"scale", "growth_tracker", "hysteresis_tracker", "skipped_steps"} - set(state)
         if missing:
             raise KeyError(f"loss scaler state is missing {sorted(missing)}; got keys {sorted(state)}.")
+        self.device_next = None
         mode = state.get("mode", "dynamic")
         if not _is_saved_mode(mode):
             # dropping the saved scale would restart a dynamic run at init_scale without a word

@@ -35,9 +35,11 @@ What is converted (``docs/behaviour.md``, "Where the 16-bit copies live"): FP32 
 subtrees, and trainable 16-bit ones (an FP32 master once, with a warning); frozen 16-bit, float64, complex and integer
 parameters and ``nn.Embedding(max_norm=...)`` keep theirs.
 
-Memory per converted parameter: 4 B FP32 parameter + 2 B copy + 4 B FP32 gradient + optimizer state. Copies and FP32
-gradients are views of one flat buffer per device each, allocated when the parameter set changes; a steady step
-allocates nothing (a step that refreshes a copy a live graph holds allocates that copy once more).
+Memory per converted parameter: 4 B FP32 parameter + 2 B copy + 4 B FP32 gradient + optimizer state; a frozen one
+has no gradient (4 B + 2 B: its copy, so that it computes as a trainable one does). Copies and FP32 gradients are
+views of one flat buffer per device each, allocated when the parameter set changes (the gradients of parameters
+unfrozen since share another); a steady step allocates nothing (a step that refreshes a copy a live graph holds
+allocates that copy once more).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ from torch.nn.parameter import is_lazy
 from lightning_mp.numerics import without_grad
 from lightning_mp.numerics.bracket import bracket, unbracket
 from lightning_mp.numerics.conversion import choose, warn_upcast
-from lightning_mp.numerics.copies import flat_views, fold_grads, fold_retired, in_a_graph, none_held, refresh_apart
+from lightning_mp.numerics.copies import (flat_views, fold_grads, fold_retired, grad_views, in_a_graph, none_held,
+                                         refresh_apart)
 
 _DTYPE, _DEVICE, _VERSION = attrgetter("dtype"), attrgetter("device"), attrgetter("_version")
 _REQUIRES_GRAD, _DATA_PTR = attrgetter("requires_grad"), Tensor.data_ptr
@@ -141,7 +144,7 @@ class MasterWeights:
         self._homes = flat_views(params, self.dtype, leaf=True)
         self._copies, self._away = list(self._homes), False
         self._uses = [[] for _ in params]
-        self._grad_views = flat_views(params, torch.float32, leaf=False)
+        self._grad_views = grad_views(params)  # trainable ones only: a frozen parameter gets no gradient
         # what each forward installs, and what the refresh checks once per step
         self._installs, self._recheck = {}, set()
         self._owners, self._names, self._owned, self._waiting = [], [], [], []
@@ -210,6 +213,7 @@ class MasterWeights:
         if requires_grad != self._requires_grad:  # frozen or unfrozen since (BaseFinetuning): the copies follow
             list(map(Tensor.requires_grad_, copies, requires_grad))
             self._requires_grad = requires_grad
+            self._grad_views = grad_views(params, self._grad_views)  # the unfrozen ones' FP32 gradients
         marks = list(zip(map(_DATA_PTR, params), map(_VERSION, params)))
         every = force and all(requires_grad)
         if every:  # the Trainer's training step: every copy

@@ -2,24 +2,24 @@
 
 Per optimizer, a training step moves READY -> UNSCALED -> STEPPED (torch's ``GradScaler`` contract):
 
-* :meth:`MixedPrecisionStep.unscale_` divides the optimizer's gradients by the scale and checks them for inf/NaN
-  in one fused pass, agrees on the flag across ranks, and returns it. It is idempotent within a training step, so
-  clipping can call it early (manual optimization: ``manual_backward`` -> ``clip_gradients`` -> ``step``) and
-  the step does not unscale twice. Its ``.item()`` is the one host sync per optimizer step that deciding
-  skip-or-step needs, and the only one the step makes (on CUDA nothing else reads the device).
+* :meth:`MixedPrecisionStep.check_` divides the optimizer's gradients by the scale and checks them for inf/NaN in one
+  fused pass and agrees on the flag across ranks; idempotent within a training step, so clipping can call it early
+  (manual optimization: ``manual_backward`` -> ``clip_gradients`` -> ``step``). Its ``.item()`` is the one host sync
+  of a training step, before the optimizer runs; where the optimizer skips on the device (torch's fused optimizers:
+  :mod:`lightning_mp.numerics.deferred` says when the host reads then) the flag stays there. :meth:`unscale_`
+  returns it as a bool (a host read, also of a deferred flag).
 * :meth:`step` unscales if that has not happened yet, then skips (an overflow anywhere in this training step,
-  this optimizer's or an earlier one's) or calls ``optimizer.step()``.
+  this optimizer's or an earlier one's) or calls ``optimizer.step()`` (given the flag where it stayed on the device).
 * :meth:`replay` is the closure ``optimizer.step`` gets, as without a plugin: the evaluation that decided the step
   first, a fresh one (unscaled and checked again) at each later call (LBFGS, SAM).
 * :meth:`end_training_step` moves the scale once per training step, however many optimizers stepped (Lightning's
-  own AMP moves it once per optimizer, which makes the scale grow too fast with GANs).
+  own AMP moves it once per optimizer, which makes the scale grow too fast with GANs); by a deferred flag, one step
+  late (:meth:`settle`).
 
-Costs: with scaling on, one read and write of every gradient (``_amp_foreach_non_finite_check_and_unscale_``).
-With scaling off and the guard on (bf16, fp32), a read-only check that rewrites nothing
-(:mod:`lightning_mp.numerics.grad_layout`). With scaling off and ``check_finite=False``, nothing at all: no pass over the
-gradients and no host sync, as in Lightning's ``bf16-mixed``. Gradients that tile one buffer (the flat FP32
-buffer master weights fold into) are passed as one view per buffer, and the lists are cached per optimizer: a
-steady-state step runs no Python loop over its parameters (a few C-level ``map`` passes check that nothing moved).
+Costs: with scaling on, one read and write of every gradient (``_amp_foreach_non_finite_check_and_unscale_``); with
+it off and the guard on (bf16, fp32), a read-only check (:mod:`lightning_mp.numerics.grad_layout`); with both off,
+nothing: no pass and no host sync, as in ``bf16-mixed``. Gradients that tile one buffer (master weights' flat FP32
+buffer) are passed as one view per buffer, the lists cached per optimizer: no Python loop over the parameters.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_mp.numerics import grad_layout, without_grad
+from lightning_mp.numerics.deferred import Deferral
 from lightning_mp.numerics.distributed import agree_on_overflow_
 from lightning_mp.numerics.grad_layout import GradLayout, Grads, optimizer_params
 from lightning_mp.numerics.loss_scaler import LossScaler
@@ -51,9 +52,9 @@ class MixedPrecisionStep:
         reduce_: averages a list of dense gradients across ranks in place (``None`` in a single process, or when
             DDP already averaged them). Every rank passes the same list: a parameter without a gradient gets a
             zero buffer of its own, allocated once and zeroed on each reuse.
-        on_overflow: called as ``on_overflow(optimizer)`` when this optimizer's gradients hold an inf/NaN, after
-            the flag was read and before the step drops them: the overflow locator reads them there. Never
-            called on a clean step.
+        on_overflow: ``on_overflow(optimizer)`` when this optimizer's gradients hold an inf/NaN, after the flag was
+            read on the host and before the step drops them (the overflow locator reads them there).
+        on_late_skip: ``on_late_skip(step)`` when a flag read a step late says that step was skipped (its log line).
     """
 
     def __init__(
@@ -64,16 +65,19 @@ class MixedPrecisionStep:
         fp32_grads: bool = False,
         reduce_: Callable[[list[Tensor]], None] | None = None,
         on_overflow: Callable[[Optimizer], None] | None = None,
+        on_late_skip: Callable[[int | None], None] | None = None,
     ) -> None:
         self.scaler = scaler
         self.check_finite = check_finite
         self.fp32_grads = fp32_grads
         self.reduce_ = reduce_
         self.on_overflow = on_overflow
-        # what a clean step runs: optimizer.step, or a stand-in (lean bf16 steps on rebuilt FP32 masters)
-        self.apply: Callable[..., Any] = _optimizer_step
-        self._found: dict[int, bool] = {}  # id(optimizer) -> its flag, for the training step in progress
-        self._found_inf = False
+        self.on_late_skip = on_late_skip
+        self.apply: Callable[..., Any] = _optimizer_step  # or a stand-in: lean bf16 steps on rebuilt FP32 masters
+        self._found: dict[int, bool | Tensor] = {}  # id(optimizer) -> its flag (a tensor: left on the device)
+        self._found_inf = False  # a skip the host knows of, in the training step in progress
+        self._late: Tensor | None = None  # the maximum of the flags left on the device in this training step
+        self.deferral = Deferral()  # fused optimizers skip on the device; .enabled=False: the host reads every flag
         self._layouts: WeakIdKeyDictionary = WeakIdKeyDictionary()  # optimizer -> GradLayout
         self._last: tuple[int, GradLayout | None] = (0, None)  # (id(optimizer), its layout), the last one read
         self._zero_grads: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its zero gradient (reduce_)
@@ -84,59 +88,103 @@ class MixedPrecisionStep:
         return bool(self._found)
 
     @property
+    def decided(self) -> bool | None:
+        """The training step in progress as the host knows it, reading nothing: skipped, not so far, or ``None``."""
+        return True if self._found_inf else (None if self._late is not None else False)
+
+    @property
     def skipping(self) -> bool:
-        """Whether the training step in progress skips (or, between steps, whether the last one was skipped)."""
-        return self._found_inf if self._found else self.scaler.last_step_skipped
+        """Whether the training step in progress skips (or, between steps, whether the last one was skipped); a flag
+        still on the device is read: the current step's (a host sync), the last one's copy (:meth:`settle`)."""
+        if self._found:
+            if self._late is not None:
+                self._read_late()
+            return self._found_inf
+        self.settle()
+        return self.scaler.last_step_skipped
+
+    @property
+    def steps(self) -> int:
+        """Training steps ended, skipped ones included (the scaler's count, plus a step whose flag is unread)."""
+        return self.scaler.steps + (self.deferral.pending is not None)
 
     @without_grad
-    def unscale_(self, optimizer: Optimizer) -> bool:
-        """Unscale and check this optimizer's gradients once per training step; return whether any is inf/NaN."""
+    def check_(self, optimizer: Optimizer) -> bool | None:
+        """Unscale and check this optimizer's gradients once per training step; return :attr:`decided`. The flag is
+        read on the host (one sync) unless the optimizer skips on the device (:mod:`lightning_mp.numerics.deferred`)."""
         key = id(optimizer)
         if key in self._found:
-            return self._found[key]
+            return self.decided
         params = optimizer_params(optimizer)
         if self.reduce_ is not None:
             self._reduce(params)
-        found = False
+        found: bool | Tensor = False
         if self.scaler.enabled or self.check_finite:
             grads = self._gradients(optimizer, params)
             if self.scaler.enabled:
                 flag = self.scaler.unscale_and_check_(grads.tensors)
             else:
                 flag = grad_layout.non_finite_flag(grads.groups)
-            found = bool(agree_on_overflow_(flag).item())  # host sync: the one skip-or-step needs
-            if found and self.on_overflow is not None:
-                self.on_overflow(optimizer)  # only on a skip: the locator reads the gradients before they go
+            flag = agree_on_overflow_(flag)
+            if self.apply is _optimizer_step and self.deferral.allows(optimizer):
+                found = flag  # no read: the optimizer takes it as a tensor
+                self._late = flag if self._late is None else torch.maximum(self._late, flag)
+            else:
+                found = bool(flag.item())  # host sync: the one skip-or-step needs
+                if found and self.on_overflow is not None:
+                    self.on_overflow(optimizer)  # only on a skip: the locator reads the gradients before they go
+                if self._late is not None and not found:
+                    self._read_late()  # an earlier optimizer's flag stayed on the device: this one steps only if clean
         self._found[key] = found
-        self._found_inf = self._found_inf or found
+        self._found_inf = self._found_inf or found is True
+        return self.decided
+
+    def unscale_(self, optimizer: Optimizer) -> bool:
+        """:meth:`check_`, returning whether this optimizer's gradients hold an inf/NaN (read on the host)."""
+        self.check_(optimizer)
+        found = self._found[id(optimizer)]
+        if isinstance(found, Tensor):
+            found = self._found[id(optimizer)] = bool(found.item())  # host sync, asked for
+            self._found_inf = self._found_inf or found
         return found
 
+    def _read_late(self) -> None:  # this training step's flags left on the device: a host sync
+        self._found_inf, self._late = self._found_inf or bool(self._late.item()), None
+
     def reset(self) -> None:
-        """Drop the training step in progress (a fit that failed between the unscale and the scale update): the
-        next step starts READY, and an overflow found before the failure does not skip it."""
-        self._found, self._found_inf = {}, False
+        """Drop the training step in progress (a fit that failed mid-step): the next step starts READY."""
+        self._found, self._found_inf, self._late = {}, False, None
 
     def forget(self, optimizer: Optimizer) -> None:
         """Let the next :meth:`unscale_` run again (optimizers that re-evaluate a closure inside ``step``)."""
         self._found.pop(id(optimizer), None)
 
     def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        """Skip or apply this optimizer's step; ``None`` when skipped (the optimizer and its state do not move)."""
-        self.unscale_(optimizer)
+        """Skip (``None``: the optimizer and its state do not move) or apply this optimizer's step; with the flag on
+        the device the optimizer is called and skips there."""
+        self.check_(optimizer)
         if self._found_inf:
             optimizer.zero_grad(set_to_none=True)  # the poisoned gradients are dropped
             return None
-        return self.apply(optimizer, **kwargs)
+        if not isinstance(self._found[id(optimizer)], Tensor):
+            output = self.apply(optimizer, **kwargs)
+            self.deferral.stepped_(optimizer)
+            return output
+        # torch GradScaler's protocol: gradients unscaled already; found_inf: this training step's flags so far (1.0: skip)
+        optimizer.grad_scale, optimizer.found_inf = None, self._late
+        try:
+            return self.apply(optimizer, **kwargs)
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
 
     def replay(self, optimizer: Optimizer, first: Any, evaluate: Callable[[], Any], after: Callable[[], None],
                step: int | None = None) -> Callable[[], Any]:
         """The closure ``optimizer.step`` gets once an evaluation (its result: ``first``) decided skip-or-step.
 
-        Its first call returns ``first`` (that evaluation's unscaled gradients are in ``.grad``), so an optimizer that
-        calls it once (SGD, Adam) costs no second forward and backward, and returns the loss. Every later call (LBFGS's
-        line search, SAM's second point) runs ``evaluate()``, unscales and checks this optimizer's gradients again
-        (one more host sync) and calls ``after()`` (the hooks that follow a closure). A non-finite re-evaluation
-        raises ``FloatingPointError``: the optimizer has already moved the parameters, the step cannot be skipped."""
+        Its first call returns ``first`` (its unscaled gradients are in ``.grad``): an optimizer that calls it once
+        (SGD, Adam) costs no second forward and backward. Every later call (LBFGS's line search, SAM's second point)
+        runs ``evaluate()``, unscales and checks again (one more host sync) and calls ``after()`` (the hooks after a
+        closure). A non-finite re-evaluation raises ``FloatingPointError``: the parameters have moved already."""
         calls = 0
 
         def closure() -> Any:
@@ -159,13 +207,23 @@ class MixedPrecisionStep:
         return closure
 
     def end_training_step(self, step: int | None = None) -> None:
-        """Move the scale once for the training step that ends; a no-op if no optimizer was unscaled in it.
+        """Move the scale once for the training step that ends; a no-op if no optimizer was unscaled in it. A flag
+        left on the device picks the next scale there and moves the host at the next step's end (or when asked).
 
-        Raises ``FloatingPointError`` (from the scaler) when the run cannot go on."""
+        Raises ``FloatingPointError`` (from the scaler) when the run cannot go on (a deferred flag: one step late)."""
         if not self._found:
             return
-        found_inf, self._found, self._found_inf = self._found_inf, {}, False
-        self.scaler.update(found_inf, step=step)
+        found_inf, late = self._found_inf, self._late
+        self._found, self._found_inf, self._late = {}, False, None
+        self.settle()  # the step before this one first: the state machine moves in step order
+        if late is None or found_inf:
+            self.scaler.update(found_inf, step=step)
+            return
+        self.deferral.defer(self.scaler, late, step)
+
+    def settle(self, stop: bool = True) -> None:
+        """Move the host's state machine by the last step's flag if unread: a read of its copy (the deferred read)."""
+        self.deferral.settle(self.scaler, self.on_late_skip, stop)
 
     # ------------------------------------------------------------------ gradients
     def _gradients(self, optimizer: Optimizer, params: list[Tensor]) -> Grads:
@@ -191,8 +249,8 @@ class MixedPrecisionStep:
         self.reduce_(reducible)
 
     def _zero_grad(self, p: Tensor) -> Tensor:
-        """A zero gradient for ``p``, the same buffer every step (a fresh one costs an allocation and the kernel's
-        zeroing of new pages each step), so the layout cache keeps it too."""
+        """A zero gradient for ``p``, the same buffer every step (no allocation, no zeroing of new pages by the
+        kernel; the layout cache keeps it too)."""
         buf = self._zero_grads.get(p)
         if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
             buf = self._zero_grads[p] = torch.zeros_like(p)
@@ -200,9 +258,9 @@ class MixedPrecisionStep:
             buf.zero_()  # the optimizer or the user may have written it since
         return buf
 
-    # ------------------------------------------------------------------ pickling (spawned processes)
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)  # the caches hold weak references and this process's tensors: not sent
+    def __getstate__(self) -> dict[str, Any]:  # spawned processes: the caches (weak references, tensors) are not sent
+        self.settle()
+        state = dict(self.__dict__)
         state["_layouts"], state["_zero_grads"], state["_last"] = None, None, (0, None)
         return state
 
@@ -212,6 +270,7 @@ class MixedPrecisionStep:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
+        self.settle()
         return {"version": _STATE_VERSION, "scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -233,6 +292,7 @@ class MixedPrecisionStep:
                 f"loss-scaling state must have a 'scaler' entry; got keys {sorted(state)}. "
                 "HINT: was this checkpoint written by another precision plugin?"
             )
+        self.deferral.pending = None  # the state replaced: a flag of the run before it moves nothing
         self.scaler.load_state_dict(state["scaler"])
 
 

@@ -18,8 +18,8 @@ What it costs
 Unlisted ops: nothing (the dispatcher's table lookup is the same with or without the registrations). Outside
 ``torch.autocast`` nothing runs either: the keys are excluded from dispatch then. A listed op pays a Python
 call (a few microseconds) plus the upcast copies autocast's FP32 list also makes (read 2 bytes, write 4 per
-element of each 16-bit input) and an FP32 output. Registering a plan is a one-off per fit (a table update per
-overload), not per step.
+element of each 16-bit input) and an FP32 output. Registering a plan is a table update per overload (about 1 ms
+for the default table, a sixth of that to take it out): once per fit for the Trainer, once per iteration for Fabric.
 
 Why process-global
 ------------------
@@ -32,7 +32,8 @@ union of their overloads is FP32 (each overload's kernel is the same whichever p
 ``torch.compile`` traces through the kernels (Dynamo's fake tensors reach them like real ones), so compiled
 graphs have the listed ops in FP32. Dynamo does not guard on the registrations: a graph compiled by a lowering
 backend ("aot_eager", "inductor") keeps the casts it traced; compile while the policy is in the state it will
-run in (a plugin compiles inside its fit).
+run in (a plugin compiles inside its fit). The compile caches on disk see the state: their key names the registered
+plans (:mod:`lightning_mp.compile_key`), so graphs traced with and without the policy never mix.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from typing import Any
 import torch
 from torch._C import DispatchKey, DispatchKeySet
 
+from lightning_mp.compile_key import digest, set_part
 from lightning_mp.formats import HALF_DTYPES, upcast
 from lightning_mp.policy.aten import AUTOCAST_KEYS, BATCH_NORM, SET_DTYPE, Rule
 from lightning_mp.policy.mode import _native_mixed_batch_norm
@@ -57,8 +59,8 @@ _FP32 = torch.float32
 
 
 def _up(obj: Any) -> Any:
-    """A 16-bit floating tensor as FP32 (also inside a Tensor[] list); everything else as it is. Runs per argument
-    of every listed op call: kept to a few bytecodes for a tensor and for an int list (``normalized_shape``)."""
+    """A 16-bit floating tensor as FP32 (also inside a Tensor[] list), anything else as it is: a few bytecodes for a
+    tensor and for an int list (``normalized_shape``), as it runs per argument of every listed op call."""
     if isinstance(obj, torch.Tensor):
         return upcast(obj)
     if isinstance(obj, (list, tuple)) and any(isinstance(item, torch.Tensor) for item in obj):
@@ -68,11 +70,9 @@ def _up(obj: Any) -> Any:
 
 @contextlib.contextmanager
 def switched_on(plan: frozenset[tuple[str, str, Rule]]) -> Iterator[None]:
-    """The plan's registered kernels compute in FP32 inside the block (process-wide; nests). Registering is the
-    expensive part (a table update per overload), so a front end without a fit to span (Fabric) registers once and
-    switches its kernels on only around its forwards and backwards; a registered kernel that no hold switches on
-    does exactly what autocast does for that overload. A counter per overload: other plans' kernels stay as they
-    are."""
+    """The plan's registered kernels compute in FP32 inside the block (process-wide; nests): a counter per overload,
+    no registration (hold ``activate(on=False)`` around it). A registered kernel that no hold switches on does what
+    autocast does for that overload (at the cost of a Python call); other plans' kernels stay as they are."""
     _switch(plan, 1)
     try:
         yield
@@ -84,14 +84,16 @@ def _switch(plan: frozenset[tuple[str, str, Rule]], delta: int) -> None:
     with _LOCK:
         for cell in _CELLS.get(plan, ()):  # a counter per kernel, listed once per plan (a few us per switch)
             cell[0] += delta
+        if plan in _CELLS:
+            _ON[plan] = _ON.get(plan, 0) + delta
+            _note_state()
 
 
 def _autocast_off(op: Any, key: str, overload: str) -> Callable[..., Any] | None:
     """What a switched-off kernel runs: the dispatch autocast itself would do for ``overload``, i.e. a fallthrough
     to the keys below ``key`` (nested ops still meet autocast, as a composite such as ``nll_loss_nd`` needs for the
     ``nll_loss`` autocast runs in FP32). ``None`` where autocast has a kernel of its own for the overload (on CUDA:
-    ``binary_cross_entropy``, which it refuses, and ``rms_norm``): there the policy's kernel computes in FP32 even
-    when switched off."""
+    ``binary_cross_entropy``, which it refuses, and ``rms_norm``): there the kernel computes in FP32 even when off."""
     packet, _, name = overload.partition(".")
     if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{packet}" + (f".{name}" if name else ""), key):
         return None
@@ -107,9 +109,8 @@ def _autocast_off(op: Any, key: str, overload: str) -> Callable[..., Any] | None
     return fallthrough
 
 
-def _make_kernel(
-    op: Any, rule: Rule, off: Callable[..., Any] | None, on: list[int], fp32_elsewhere: Callable[[], bool] = bool
-) -> Callable[..., Any]:
+def _make_kernel(op: Any, rule: Rule, off: Callable[..., Any] | None, on: list[int],
+                 fp32_elsewhere: Callable[[], bool] = bool) -> Callable[..., Any]:
     """The kernel of one overload (``off``: what runs while no hold switches the kernels on). The dispatcher passes
     the schema's positional arguments positionally (trailing defaults dropped) and keyword-only ones by name (only
     when given)."""
@@ -169,36 +170,45 @@ def _op(overload: str) -> Callable[..., Any]:
     return getattr(getattr(torch.ops.aten, packet), name or "default")
 
 
-# (autocast key, overload) -> [holds, the Library holding its kernel, [holds that switch it on], rule.lower]
+# (autocast key, overload) -> [holds, the Library holding its kernel, [holds that switch it on], rule.lower, kernel]
 _KERNELS: dict[tuple[str, str], list[Any]] = {}
 # active plans (frozensets of (key, overload, rule)) -> number of handles holding each, and the kernels' switches
 _PLANS: dict[frozenset[tuple[str, str, Rule]], int] = {}
 _CELLS: dict[frozenset[tuple[str, str, Rule]], list[list[int]]] = {}
+_ON: dict[frozenset[tuple[str, str, Rule]], int] = {}  # per registered plan, the holds that switch it on
+_DIGESTS: dict[frozenset[tuple[str, str, Rule]], str] = {}  # per plan, its name in the compile cache key
+_TARGETS: dict[tuple[str, str], tuple[Any, Any]] = {}  # (key, overload) -> the aten op, what it runs switched off
 # Re-entrant: a collected Fabric plugin's finalizer releases its hold from wherever the collector runs, which can be
 # inside a registration on this thread (an allocation there triggers it); a plain Lock deadlocked there.
 _LOCK = threading.RLock()
 
 
-def _register(key: str, overload: str, rule: Rule) -> list[Any]:
-    """[holds, the Library holding the kernel, [holds that switch it on], rule.lower] for one overload. A kernel
-    that keeps an op in 16 bits computes it in FP32 while another plan switched on computes the same overload in FP32
-    at the other device's key (a bf16 and an fp16 fit in one process: CUDA autocast runs `exp` in FP32 itself, so
-    the fp16 plan shows its wish only at the CPU key)."""
-    lib = torch.library.Library("aten", "IMPL")
+def _register(lib: Any, key: str, overload: str, rule: Rule) -> list[Any]:
+    """The :data:`_KERNELS` entry of one overload, its kernel registered in ``lib``. A kernel that keeps an op in 16
+    bits computes it in FP32 while another plan switched on computes it in FP32 at the other device's key (a bf16 and
+    an fp16 fit in one process: CUDA autocast runs `exp` in FP32 itself, so the fp16 plan shows its wish on the CPU)."""
     on = [0]
     others = [(other, overload) for other in AUTOCAST_KEYS if other != key]
 
     def fp32_elsewhere() -> bool:
         return any((e := _KERNELS.get(name)) is not None and e[2][0] > 0 and not e[3] for name in others)
 
-    with warnings.catch_warnings():
-        # overriding a kernel of autocast's own (a user-listed "matmul", CUDA's refusal of binary_cross_entropy)
-        # warns once per process; the override is the point, and remove() restores autocast's kernel
-        warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
+    found = _TARGETS.get((key, overload))
+    if found is None:  # asked once per process, before a registration replaces autocast's own kernel
         op = _op(overload)
-        off = _autocast_off(op, key, overload)  # asked before the registration replaces autocast's own kernel
-        lib.impl(overload, _make_kernel(op, rule, off, on, fp32_elsewhere), key)
-    return [0, lib, on, rule.lower]
+        found = _TARGETS[(key, overload)] = (op, _autocast_off(op, key, overload))
+    kernel = _make_kernel(found[0], rule, found[1], on, fp32_elsewhere)
+    lib.impl(overload, kernel, key)
+    return [0, lib, on, rule.lower, kernel]
+
+
+def _note_state() -> None:
+    """The compile cache key's part for the policy (:mod:`lightning_mp.compile_key`; the lock held): each registered
+    plan by its digest, ``+`` where a hold switches it on."""
+    for plan in _PLANS.keys() - _DIGESTS.keys():
+        _DIGESTS[plan] = digest(repr(sorted(plan)))
+    parts = sorted(_DIGESTS[plan] + ("+" if _ON.get(plan) else "-") for plan in _PLANS)
+    set_part("fp32_policy", ",".join(parts) or None)
 
 
 class Fp32Activation:
@@ -215,17 +225,22 @@ class Fp32Activation:
             if not count:  # the same plan already registered: one counter, not one per overload
                 done: list[tuple[str, str]] = []
                 try:
-                    for key, overload, rule in plan:
-                        entry = _KERNELS.get((key, overload))
-                        if entry is None:
-                            entry = _KERNELS[(key, overload)] = _register(key, overload, rule)
-                        entry[0] += 1
-                        done.append((key, overload))
+                    with warnings.catch_warnings():  # overriding autocast's own kernel (a user-listed "matmul") warns
+                        warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")  # once; remove() restores it
+                        lib = None  # one for the plan's new kernels: half the time of one each (1 ms, not 2, for 100)
+                        for key, overload, rule in plan:
+                            entry = _KERNELS.get((key, overload))
+                            if entry is None:
+                                lib = lib or torch.library.Library("aten", "IMPL")
+                                entry = _KERNELS[(key, overload)] = _register(lib, key, overload, rule)
+                            entry[0] += 1
+                            done.append((key, overload))
                 except BaseException:
                     del _PLANS[plan]
                     _drop(done)
                     raise
                 _CELLS[plan] = [_KERNELS[name][2] for name in done]
+                _note_state()
         if on:
             _switch(plan, 1)
 
@@ -245,7 +260,9 @@ class Fp32Activation:
                 _PLANS[plan] = count
             else:
                 del _CELLS[plan]
+                _ON.pop(plan, None)
                 _drop([(key, overload) for key, overload, _ in plan])
+            _note_state()
 
     def __enter__(self) -> Fp32Activation:
         return self
@@ -258,13 +275,23 @@ class Fp32Activation:
 
 
 def _drop(kernels: list[tuple[str, str]]) -> None:
-    """Release one hold on each kernel (the lock held); the last hold deregisters it."""
+    """Release one hold on each kernel (the lock held); the last hold deregisters it. A plan's kernels share a Library
+    that goes with the last of them: where plans overlap, the ones still held get a Library each (an instant apart)."""
+    gone: dict[int, Any] = {}  # by id, the Libraries of the kernels that go
     for name in kernels:
         entry = _KERNELS[name]
         entry[0] -= 1
         if not entry[0]:
-            entry[1]._destroy()  # torch's autocast kernel (or its fallthrough) is back
             del _KERNELS[name]
+            gone[id(entry[1])] = entry[1]
+    for lib in gone.values():
+        kept = [(name, entry) for name, entry in _KERNELS.items() if entry[1] is lib]
+        lib._destroy()  # torch's autocast kernels (or their fallthrough) are back
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
+            for (key, overload), entry in kept:
+                entry[1] = torch.library.Library("aten", "IMPL")
+                entry[1].impl(overload, entry[4], key)
 
 
 def active_kernels(key: str) -> frozenset[str]:

@@ -206,8 +206,8 @@ class Fp32Policy:
         the listed ops follow autocast's own lists.
 
         ``on=False`` registers the kernels switched off: they do what autocast does until :meth:`switched_on`
-        switches them on around a forward or backward (a front end with no fit to span, such as Fabric's, pays the
-        registration once and leaves other autocast users in the process untouched between its steps)."""
+        switches them on around a forward or backward (the registration paid once; outside those blocks the listed
+        ops compute as under autocast alone, at the cost of a Python call each)."""
         return Fp32Activation(self.kernel_plan(), on=on)
 
     def switched_on(self) -> contextlib.AbstractContextManager[None]:

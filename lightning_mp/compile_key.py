@@ -1,0 +1,89 @@
+"""torch.compile's caches see the package's kernels: while they change what a trace records, the cache key says so.
+
+Why
+---
+The FP32 policy (:mod:`lightning_mp.policy.dispatch`) and the emulated GEMMs (:mod:`lightning_mp.gemm.emulation`)
+are ``torch.library`` kernels, at the autocast keys and at ``ADInplaceOrView``. Dynamo's graph is recorded above the
+dispatcher, so it is the same with and without them; AOTAutograd then traces that graph through the dispatcher, and
+the forward and backward graphs it builds hold the policy's FP32 casts and the emulation's FP32 GEMMs, or not. Its
+cache (``TORCHINDUCTOR_AUTOGRAD_CACHE``, on by default, on disk and shared by every process of the user) keys an
+entry by the Dynamo graph, the inputs, the configs and the autocast state, not by the registered kernels: a
+``bf16-mixed`` run and a run with the plugin, of the same model, got each other's graphs (the second run's losses
+were the first run's, bit for bit).
+
+How
+---
+``torch.compiler.config.cache_key_tag`` enters every compile cache key (AOTAutograd's, inductor's FX graph cache,
+autotuning, profile-guided recompilation). While a kernel set is in force, the tag carries a part naming its state
+(:func:`set_part`): the policy's kernels by a digest of their plans and whether each is switched on, the emulation
+by the 16-bit format it emulates. Runs in the same state share their cache entries (also across processes: the
+parts are stable strings); runs in different states never do. With no part set the tag is the user's own, so
+``bf16-mixed`` and other users keep torch's keys. A tag the user set is kept, in front of the parts.
+
+What it costs: a config write (about 2 us) where a kernel set is registered, switched or entered; nothing per op.
+A compile outside our forwards while a run holds its kernels gets the tag too: a cache miss at worst, never a graph
+of another state.
+
+Not covered: Dynamo's own in-memory cache, kept per code object (a model class's ``forward``, a ``training_step``)
+across ``torch.compile`` calls, which guards on neither the tag nor the kernels. A second fit in one process over
+the same model class can run the code the first compiled where nothing else it guards on differs (seen: two fits with
+different ``fp32_ops``; a ``bf16-mixed`` fit and one with the plugin differ in the copies' hooks, and recompile).
+``torch._dynamo.reset()`` between such fits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import torch.compiler.config as _compiler_config
+
+_PARTS: dict[str, str] = {}
+_COUNTS: dict[str, dict[str, int]] = {}  # per counted part, its values and how many hold each
+# Re-entrant: a collected plugin's finalizer releases its kernels from wherever the collector runs, which can be
+# inside a write of the tag on this thread (an allocation there triggers it)
+_LOCK = threading.RLock()
+_STATE: dict[str, str | None] = {"base": None, "set": None}  # the user's tag, and the tag we wrote last
+
+
+def digest(text: str) -> str:
+    """A short stable name for ``text`` (the same in every process)."""
+    return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:12]
+
+
+def set_part(name: str, value: str | None) -> None:
+    """Our part ``name`` of the tag becomes ``value`` (``None``: no such part); the tag is written at once."""
+    with _LOCK:
+        _write(name, value)
+
+
+def count_part(name: str, value: str, delta: int) -> None:
+    """One more (``+1``) or one less (``-1``) holder of ``value`` in the part ``name``, which lists the values held
+    (several threads or runs at once: a value goes when its last holder does)."""
+    with _LOCK:
+        counts = _COUNTS.setdefault(name, {})
+        counts[value] = counts.get(value, 0) + delta
+        if counts[value] <= 0:
+            del counts[value]
+        _write(name, ",".join(sorted(counts)) or None)
+
+
+def _write(name: str, value: str | None) -> None:
+    if _PARTS.get(name) == value:
+        return
+    if value is None:
+        del _PARTS[name]
+    else:
+        _PARTS[name] = value
+    current = _compiler_config.cache_key_tag
+    if current != _STATE["set"]:  # the user's tag (first time, or set since we wrote ours)
+        _STATE["base"] = current
+    tag = (_STATE["base"] or "") + "".join(f"|lightning_mp.{key}={part}" for key, part in sorted(_PARTS.items()))
+    _compiler_config.cache_key_tag = tag
+    _STATE["set"] = tag
+
+
+def current_parts() -> dict[str, str]:
+    """Our parts of the tag now (for tests and diagnostics)."""
+    with _LOCK:
+        return dict(_PARTS)

@@ -1,0 +1,81 @@
+"""lightning_mp.compile_key: while the FP32 policy's or the emulated GEMMs' kernels are in force, torch.compile's cache
+key tag names their state; without them it is the user's own tag, untouched."""
+
+import gc
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.compiler.config as compiler_config
+
+from lightning_mp import Fp32Policy
+from lightning_mp.compile_key import count_part, current_parts, set_part
+from lightning_mp.gemm.emulation import GemmEmulation
+
+@pytest.fixture(autouse=True)
+def _nothing_held_before():
+    gc.collect()  # a plugin an earlier test dropped in the middle of its loop releases its kernels when collected
+    assert current_parts() == {}
+
+
+DIGEST = "from lightning_mp import Fp32Policy\nfrom lightning_mp.compile_key import current_parts\n" \
+         "with Fp32Policy().activate():\n    print(current_parts()['fp32_policy'])\n"
+
+
+def test_the_policy_names_its_plan_in_the_tag_while_it_is_held_and_whether_it_is_switched_on():
+    base = compiler_config.cache_key_tag  # the user's (TORCH_COMPILE_CACHE_KEY_TAG), empty by default
+    default, fewer = Fp32Policy(), Fp32Policy(ops={"softmax"})
+    with default.activate():
+        held = current_parts()["fp32_policy"]
+        assert held.endswith("+") and compiler_config.cache_key_tag == f"{base}|lightning_mp.fp32_policy={held}"
+        with fewer.activate():  # another plan: another name, both listed
+            assert len(current_parts()["fp32_policy"].split(",")) == 2
+        assert current_parts()["fp32_policy"] == held
+    with default.activate(on=False):  # registered, switched off: another state
+        assert current_parts()["fp32_policy"] == held[:-1] + "-"
+        with default.switched_on():
+            assert current_parts()["fp32_policy"] == held
+    assert current_parts() == {} and compiler_config.cache_key_tag == base
+
+
+def test_the_plans_name_is_the_same_in_every_process_so_runs_in_one_state_share_the_disk_cache():
+    names = [subprocess.run([sys.executable, "-c", DIGEST], capture_output=True, text=True, timeout=120).stdout
+             for _ in range(2)]  # fmt: skip
+    with Fp32Policy().activate():
+        assert names == [current_parts()["fp32_policy"] + "\n"] * 2
+
+
+def test_an_emulating_context_names_its_format_and_the_native_one_nothing():
+    emulated, native = GemmEmulation("emulated"), GemmEmulation("native")
+    emulated.setup("cpu", torch.float16, hold=False)
+    native.setup("cpu", torch.bfloat16, hold=False)
+    try:
+        with native.context():
+            assert current_parts() == {}
+        with emulated.context():
+            assert current_parts() == {"gemm_emulated": "fp16"}
+            with emulated.context():  # nested (a recomputed forward inside a backward): counted
+                pass
+            assert current_parts() == {"gemm_emulated": "fp16"}
+        assert current_parts() == {}
+    finally:
+        emulated.remove()
+
+
+def test_a_tag_the_user_set_stays_in_front_and_comes_back():
+    base, compiler_config.cache_key_tag = compiler_config.cache_key_tag, "mine"
+    try:
+        set_part("fp32_policy", "abc+")
+        count_part("gemm_emulated", "fp16", +1)
+        count_part("gemm_emulated", "bf16", +1)
+        ours = "|lightning_mp.fp32_policy=abc+|lightning_mp.gemm_emulated="
+        assert compiler_config.cache_key_tag == f"mine{ours}bf16,fp16"
+        compiler_config.cache_key_tag = "theirs"  # changed by the user meanwhile: their new tag is the base
+        count_part("gemm_emulated", "bf16", -1)
+        assert compiler_config.cache_key_tag == f"theirs{ours}fp16"
+        count_part("gemm_emulated", "fp16", -1)
+        set_part("fp32_policy", None)
+        assert compiler_config.cache_key_tag == "theirs" and current_parts() == {}
+    finally:
+        compiler_config.cache_key_tag = base

@@ -1,0 +1,185 @@
+"""precision="fp8" without a Trainer: the arguments checked, the missing-torchao error, which Linears the default
+and a list choose, and a chosen Linear's forward: torchao's FP8 matmul inside the run's autocast, the Linear's own
+outside it and in copies, gone at teardown."""
+
+import builtins
+import copy
+import dataclasses
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mp import MixedPrecisionPlugin
+from lightning_mp.fabric import MixedPrecisionPlugin as FabricPlugin
+from lightning_mp.fp8 import Fp8Linears, Fp8Settings
+from lightning_mp.fp8.selection import choose, too_small
+
+torchao = pytest.importorskip("torchao", reason="precision='fp8' needs torchao: pip install 'lightning_mp[fp8]'")
+
+
+@pytest.mark.parametrize("cls", [MixedPrecisionPlugin, FabricPlugin])
+@pytest.mark.parametrize("recipe", ["row-wise", "ROWWISE", None, 8, "float8"])
+def test_a_bad_fp8_recipe_is_named_with_what_is_allowed(cls, recipe):
+    with pytest.raises(ValueError, match=r"fp8_recipe=.* is not allowed: use one of 'tensorwise', 'rowwise'"):
+        cls("fp8", fp8_recipe=recipe)
+
+
+@pytest.mark.parametrize("modules", ["all", "mlp", [], (), [3], [""], [torch.float32], None])
+def test_bad_fp8_modules_are_named_with_what_is_allowed(modules):
+    with pytest.raises(ValueError, match=r"fp8_modules=.* is not allowed.*'default'.*names.*classes"):
+        MixedPrecisionPlugin("fp8", fp8_modules=modules)
+
+
+def test_fp8_arguments_are_checked_under_every_precision():
+    with pytest.raises(ValueError, match="fp8_recipe="):
+        MixedPrecisionPlugin("bf16", fp8_recipe="rowwse")  # a typo is found even where FP8 is off
+
+
+def test_without_torchao_fp8_says_what_to_install(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_torchao(name, *args, **kwargs):
+        if name == "torchao" or name.startswith("torchao."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torchao)
+    for cls in (MixedPrecisionPlugin, FabricPlugin):
+        with pytest.raises(ImportError, match=r"pip install 'lightning_mp\[fp8\]'"):
+            cls("fp8")
+    MixedPrecisionPlugin("bf16")  # the other precisions never import it
+
+
+class Model(nn.Module):
+    """An embedding, two large Linears (above torchao's rowwise rule), a small one, a tied head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(4096, 4096)
+        self.up = nn.Linear(4096, 8192)  # N=8192, K=4096: FP8 under both rules
+        self.down = nn.Linear(8192, 4096)  # N=4096, K=8192
+        self.small = nn.Linear(4096, 1024)  # N=1024: too small for both
+        self.odd = nn.Linear(4096, 4100)  # not a multiple of 16
+        self.norm = nn.LayerNorm(4096)
+        self.head = nn.Linear(4096, 4096, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def keeps_norms(module):
+    return isinstance(module, (nn.LayerNorm, nn.Embedding))
+
+
+def test_torchaos_measured_size_rule():
+    assert too_small("rowwise", 2048, 8192) and too_small("rowwise", 8192, 1024)
+    assert too_small("rowwise", 4096, 2048) and not too_small("rowwise", 4096, 4096)
+    assert too_small("tensorwise", 1024, 4096) and not too_small("tensorwise", 1024, 8192)
+    assert not too_small("tensorwise", 2048, 1024)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_default_keeps_the_head_small_and_odd_gemms_in_bf16(recipe):
+    with torch.device("meta"):
+        model = Model()
+    chosen, kept = choose(model, recipe, "default", keeps_norms, 16)
+    assert [name for name, _ in chosen] == ["up", "down"]
+    assert kept["the output head"] == ["head"]
+    assert kept[f"below torchao's {recipe} size rule"] == ["small"]
+    assert kept["dimensions not multiples of 16"] == ["odd"]
+
+
+def test_a_list_of_names_and_classes_chooses_their_linears():
+    with torch.device("meta"):
+        model = nn.Sequential(Model(), nn.Sequential(nn.Linear(32, 32), nn.ReLU()))
+    chosen, _ = choose(model, "rowwise", ("0.small", nn.Sequential), keeps_norms, 16)
+    names = [name for name, _ in chosen]
+    assert names[0] == "0.small" and "1.0" in names and "0.up" in names  # the root Sequential holds them all
+    chosen, _ = choose(model, "rowwise", ("head",), keeps_norms, 16)
+    assert [name for name, _ in chosen] == ["0.head"]  # a dotted suffix; named, the head is the user's choice
+
+
+def test_a_list_entry_that_matches_nothing_or_names_an_odd_linear_raises_at_setup():
+    with torch.device("meta"):
+        model = Model()
+    with pytest.raises(ValueError, match=r"fp8_modules entry 'mlp' matches no module of Model.*'up'"):
+        choose(model, "rowwise", ("mlp",), keeps_norms, 16)
+    with pytest.raises(ValueError, match=r"fp8_modules entry 'odd' names 'odd', an nn.Linear\(4096, 4100\).*16"):
+        choose(model, "rowwise", ("odd",), keeps_norms, 16)
+    chosen, kept = choose(model, "mxfp8", (nn.Linear,), keeps_norms, 32)
+    assert "odd" in kept["dimensions not multiples of 32"] and "odd" not in dict(chosen)
+
+
+class OwnForward(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_linears_with_their_own_forward_and_in_fp32_subtrees_stay():
+    model = nn.Sequential(OwnForward(32, 32), nn.LayerNorm(32), nn.Linear(32, 32))
+    model[1].inner = nn.Linear(32, 32)  # inside a kept (FP32) module
+    chosen, kept = choose(model, "rowwise", (nn.Linear,), keeps_norms, 16)
+    assert [name for name, _ in chosen] == ["2"]
+    assert kept["a Linear subclass with its own forward"] == ["0"]
+
+
+def torchao_float8_linear(linear, recipe):
+    from torchao.float8.config import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    return Float8Linear.from_float(copy.deepcopy(linear), config=config)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_a_chosen_linear_computes_what_torchaos_float8linear_computes_and_is_its_own_again_after(recipe):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96).bfloat16()
+    x = torch.randn(4, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+    reference = torchao_float8_linear(linear, recipe)
+    expected = reference(x)  # outside autocast torchao's module computes on its bf16 input as given
+    expected.float().square().sum().backward()
+    expected_grads = x.grad.clone(), reference.weight.grad.clone()
+    x.grad = None
+
+    fp8 = Fp8Linears("fp8", Fp8Settings(recipe, (nn.Linear,)))
+    line = fp8.attach(linear, "cpu", torch.bfloat16, lambda m: False)
+    assert line.startswith(f"fp8: 1 of 1 Linears compute through torchao's {recipe!r} recipe") and "emulated" in line
+    assert type(linear) is nn.Linear and "forward" in vars(linear)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear(x)
+    out.float().square().sum().backward()
+    assert torch.equal(out, expected)
+    assert torch.equal(x.grad, expected_grads[0]) and torch.equal(linear.weight.grad, expected_grads[1])
+
+    plain = nn.functional.linear(x.detach(), linear.weight, linear.bias)
+    assert torch.equal(linear(x.detach()), plain)  # outside the run's autocast: the Linear's own computation
+    clone = copy.deepcopy(linear)
+    pickled = pickle.loads(pickle.dumps(linear))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for other in (clone, pickled):  # copies made during the fit compute as plain Linears
+            assert torch.equal(other(x.detach()), nn.functional.linear(x.detach(), other.weight, other.bias))
+    fp8.remove()
+    assert "forward" not in vars(linear) and type(linear) is nn.Linear
+
+
+def test_mxfp8_runs_emulated_here_or_says_which_torchao_it_needs():
+    try:
+        fp8 = Fp8Linears("fp8", Fp8Settings("mxfp8", (nn.Linear,)))
+    except ImportError as err:
+        assert "torchao 0.18" in str(err) and tuple(int(p) for p in torchao.__version__.split(".")[:2]) < (0, 18)
+        return
+    linear = nn.Linear(64, 64).bfloat16()
+    fp8.attach(linear, "cpu", torch.bfloat16, lambda m: False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear(torch.randn(2, 32, 64, dtype=torch.bfloat16))
+        assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+        with pytest.raises(ValueError, match=r"mxfp8.*multiple of 32; this one has 20"):
+            linear(torch.randn(2, 10, 64, dtype=torch.bfloat16))
+    fp8.remove()
+
+
+def test_describe_names_the_recipe_before_and_after_setup():
+    plugin = MixedPrecisionPlugin("fp8", fp8_recipe="tensorwise")
+    assert "fp8: recipe 'tensorwise'" in plugin.describe() and plugin.precision == "bf16-mixed"
+    assert "fp8:" not in MixedPrecisionPlugin("bf16").describe()
