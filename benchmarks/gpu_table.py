@@ -8,8 +8,8 @@ Two models, each trained by the Trainer with a fused optimizer (the optimizers t
 device, without a host sync): a GPT-2-small-shaped language model (12 layers x 768, 12 heads, sequence 1024, the
 stdlib-text bytes) with fused AdamW, and a ResNet-50-shaped convnet (bottleneck blocks 3-4-6-3, 224x224 images,
 1000 classes) with fused SGD and momentum. Each precision trains the same seed and data: Lightning's ``32-true``,
-``bf16-mixed`` and ``16-mixed``, ours bf16, fp16 and lean bf16 (``master_weights="compensated"``), and ours fp8
-when this lightning_mp has it.
+``bf16-mixed`` and ``16-mixed``, ours bf16, fp16 and lean bf16 (``master_weights="compensated"``), ours fp8 when
+torchao is installed, and Lightning's ``TransformerEnginePrecision`` (bf16 weights) when Transformer Engine is.
 
 Per row: throughput (tokens/s, images/s) and peak memory (``torch.cuda.max_memory_allocated`` over the fit) with
 their ratios to ``bf16-mixed`` in this run; host syncs per step (``torch.cuda.set_sync_debug_mode("warn")``
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import statistics
 import time
 import traceback
@@ -160,6 +161,11 @@ def variants(device: str) -> list[Row]:
         Row("ours fp16", lambda: dict(plugins=[MixedPrecisionPlugin("fp16")])),
         Row("ours lean bf16", lambda: dict(plugins=[MixedPrecisionPlugin("bf16", master_weights="compensated")])),
     ]
+    if device == "cuda" and importlib.util.find_spec("transformer_engine") is not None:
+        from lightning.pytorch.plugins import TransformerEnginePrecision  # Lightning's FP8: TE's layers, bf16 weights
+
+        rows.append(Row("Lightning TransformerEnginePrecision",
+                        lambda: dict(plugins=[TransformerEnginePrecision(weights_dtype=torch.bfloat16)])))
     try:
         MixedPrecisionPlugin("fp8")
     except (ValueError, ImportError):  # not in this lightning_mp, or torchao missing: no row

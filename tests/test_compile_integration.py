@@ -1,7 +1,8 @@
 """torch.compile(fullgraph=True) of a block with LayerNorm and attention, through the Trainer and Fabric: it compiles
 under the plugin into as many graphs as without it (the copy hooks step aside under compile, the FP32 policy is
 dispatcher kernels that Dynamo traces through, the FP32-module hooks are traceable). Emulated 16-bit GEMMs (the default
-on CPUs without 16-bit arithmetic) compile too, and compute what they compute in eager execution."""
+on CPUs without 16-bit arithmetic) compile too, and compute what they compute in eager execution. Inductor's caches on
+disk never serve a graph traced under another precision plugin (fresh processes: tests/compile_cache_worker.py)."""
 
 import json
 import os

@@ -5,6 +5,7 @@ outside it and in copies, gone at teardown."""
 import builtins
 import copy
 import dataclasses
+import math
 import pickle
 
 import pytest
@@ -183,3 +184,29 @@ def test_describe_names_the_recipe_before_and_after_setup():
     plugin = MixedPrecisionPlugin("fp8", fp8_recipe="tensorwise")
     assert "fp8: recipe 'tensorwise'" in plugin.describe() and plugin.precision == "bf16-mixed"
     assert "fp8:" not in MixedPrecisionPlugin("bf16").describe()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_emulated_bf16_gemms_leave_torchaos_fp8_gemms_to_torchao(recipe):
+    """On a CPU without bf16 arithmetic the bf16 GEMMs are emulated by kernels below autograd, which torchao's FP8
+    tensors (reporting dtype bf16) reach first: the emulation must hand them on, not upcast them (it raised
+    "attempting to run aten.to.dtype"). With every Linear in FP8 no bf16 GEMM is left, so emulated and native agree
+    bit for bit."""
+    import lightning as L
+
+    losses = {}
+    for gemm in ("native", "emulated"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+        plugin = FabricPlugin("fp8", fp8_recipe=recipe, fp8_modules=[nn.Linear], gemm=gemm)
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        x = torch.randn(32, 32, generator=torch.Generator().manual_seed(1))
+        losses[gemm] = []
+        for _ in range(3):
+            loss = model(x).float().pow(2).mean()
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses[gemm].append(loss.item())
+    assert all(map(math.isfinite, losses["emulated"])) and losses["emulated"] == losses["native"]

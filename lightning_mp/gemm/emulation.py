@@ -52,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_mp.compile_key import count_part
 from lightning_mp.gemm.ops import _FP32_CALLS, _FP32_OUTPUTS, EMULATED_OPS
-from lightning_mp.gemm.staging import _Staging
+from lightning_mp.gemm.staging import _Staging, _traced, _upcast
 from lightning_mp.gemm.support import GemmSupport, _dtype_name, _warn_slow_once, cpu_capability, gemm_support
 
 GEMM_CHOICES = ("auto", "native", "emulated")
@@ -66,19 +66,14 @@ def _composite(func) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 
 
-def _upcast(x: Tensor) -> Tensor:
-    return x.to(torch.float32)
-
-
 def _emulate(func, dtype: torch.dtype, args: tuple, kwargs: dict, staging: _Staging, below: bool = False):
     """``func`` in FP32 on the ``dtype`` operands, its results rounded (nearest-even) back to ``dtype``; ``below``:
     called from the ADInplaceOrView kernel, so the FP32 call goes on below that key.
 
     Operands of a tensor subclass are upcast with plain ``.to`` instead of through ``staging``: ``torch.compile``
-    traces this function with fake and functional tensors (Dynamo to learn each op's output, AOTAutograd to build the
-    forward and backward graphs), which have no memory to remember or reuse. The traced graph then holds the same
-    upcast, FP32 GEMM and rounding as eager emulation, which inductor fuses and the compiled code runs without Python.
-    The same path serves any other subclass that reaches this key (a ``DTensor`` operand)."""
+    traces this function with fake and functional tensors (Dynamo, AOTAutograd), which have no memory to reuse. The
+    traced graph holds the same upcast, FP32 GEMM and rounding as eager emulation, which inductor fuses and runs
+    without Python (so for ``DTensor`` operands too; other subclasses never get here: ``_traced``)."""
     for a in args:  # a loop, not all(<generator>): this runs for every emulated GEMM
         if isinstance(a, Tensor) and type(a) is not Tensor and type(a) is not nn.Parameter:
             staging = None
@@ -172,10 +167,15 @@ def _kernel(op: Any) -> Callable[..., Any]:
             raise NotImplementedError(f"{op} has no derivative in torch, so it cannot run on tensors that require "
                                       "grad. HINT: call it under torch.no_grad().")
         if state is not None:
-            dtype = state[0]
+            dtype, emulate = state[0], False
             for a in args:  # a loop, not any(<generator>): this runs for every GEMM of the forward and the backward
-                if isinstance(a, Tensor) and a.dtype == dtype:
-                    return _emulate(op, dtype, args, kwargs, state[1], below=True)
+                if isinstance(a, Tensor):
+                    if type(a) is not Tensor and type(a) is not nn.Parameter and not _traced(type(a)):
+                        emulate = False
+                        break
+                    emulate = emulate or a.dtype == dtype
+            if emulate:  # (else: a subclass that computes its own GEMM, torchao's FP8 tensors, gets the op as is)
+                return _emulate(op, dtype, args, kwargs, state[1], below=True)
         with _BELOW():  # on to the backend's kernel (and any dispatch mode under this key)
             return op(*args, **kwargs)
 

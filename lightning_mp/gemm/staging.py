@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -152,3 +153,26 @@ class _Staging:
         state.free.clear()
         state.memo.clear()
         state.retired.clear()
+
+
+@functools.lru_cache(maxsize=None)
+def _traced(cls: type) -> bool:
+    """Whether emulation upcasts operands of this subclass with ``.to``: ``torch.compile``'s fake and functional
+    tensors and ``DTensor`` (see ``emulation._emulate``). Any other subclass reaching the kernel (torchao's float8 training
+    tensors, whose reported dtype is bf16) has a ``__torch_dispatch__`` that decides how its GEMM computes: it gets
+    the op as it is, and its own inner GEMMs on plain tensors come back here."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    known: tuple[type, ...] = (FakeTensor, FunctionalTensor)
+    try:
+        from torch.distributed.tensor import DTensor
+
+        known += (DTensor,)
+    except ImportError:  # a torch built without distributed
+        pass
+    return issubclass(cls, known)
+
+
+def _upcast(x: Tensor) -> Tensor:
+    return x.to(torch.float32)
