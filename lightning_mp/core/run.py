@@ -12,6 +12,9 @@ Where each piece runs in a training step (the front ends only map their framewor
     step(optimizer)       skip, or step on the FP32 Parameters (lean bf16: on rebuilt FP32 masters, LeanBf16.step)
     end_training_step()   the scale moves once; a skipped step is logged with where it went non-finite
 
+What a fit installs before its first step and removes after its last (``convert``, ``connect``, ``teardown``) is in
+:mod:`lightning_mp.core.wiring`; what a forward computes in, in :mod:`lightning_mp.core.contexts`.
+
 Nothing here imports Lightning: the front ends pass the model, the optimizers, the schedulers, the global step.
 """
 
@@ -27,27 +30,26 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.core.autopilot import Autopilot, split_auto
-from lightning_mp.core.skips import defer_flags, not_resumed, refuse_lbfgs, skip_line, stop_error
+from lightning_mp.core.contexts import forward_context
+from lightning_mp.core.skips import not_resumed, skip_line, stop_error
+from lightning_mp.core.wiring import FitWiring
 from lightning_mp.doctor.locator import OverflowLocator
 from lightning_mp.doctor.report import OverflowReport
-from lightning_mp.formats import Format, check_device_supports, resolve_precision
+from lightning_mp.formats import Format, resolve_precision
 from lightning_mp.fp8 import Fp8Linears, Fp8Settings
 from lightning_mp.gemm.emulation import GemmEmulation
-from lightning_mp.numerics.distributed import average_fp32_grads_per_step
 from lightning_mp.numerics.grad_layout import named_grads, optimizer_params
 from lightning_mp.numerics.lean import lean_bf16
 from lightning_mp.numerics.loss_scaler import LossScaler, ScalerSettings
 from lightning_mp.numerics.master_weights import MasterWeights
-from lightning_mp.numerics.scheduler_guard import SchedulerGuard
-from lightning_mp.numerics.sharding import is_sharded
 from lightning_mp.numerics.step import MixedPrecisionStep
-from lightning_mp.policy.policy import BF16_FP32_OPS, DEFAULT_FP32_OPS, Fp32Policy, refuse_16_bit_batch_norm
+from lightning_mp.policy.policy import BF16_FP32_OPS, DEFAULT_FP32_OPS, Fp32Policy
 from lightning_mp.validation import check_bool, check_int
 
 log = logging.getLogger("lightning_mp.plugin")  # the name users filter on for the skip lines
 
 
-class MixedPrecisionCore:
+class MixedPrecisionCore(FitWiring):
     """The numerics of one run: format, loss scaler, step, master weights, FP32 policy, GEMM choice, locator.
     The arguments are :class:`lightning_mp.MixedPrecisionPlugin`'s; ``scaler`` and ``fp8`` hold their knobs."""
 
@@ -89,84 +91,15 @@ class MixedPrecisionCore:
         self.gemm = GemmEmulation(gemm)
         self.fp8 = Fp8Linears(self.format.name, fp8, calibration_steps)  # "fp8": bf16, chosen Linears' GEMMs in FP8
         self.step = MixedPrecisionStep(self.scaler, check_finite=check_finite, fp32_grads=self.master_weights)
+        self.last_overflow: OverflowReport | None = None
+        # set by convert and connect, cleared by teardown (FitWiring)
         self.masters: MasterWeights | None = None
         self.locator: OverflowLocator | None = None
-        self.last_overflow: OverflowReport | None = None
         self.device_type = "cpu"
         self.sharded = False
         self.root: nn.Module | None = None  # the module whose parameter names the reports and views use
-        self._handles: list[Any] = []
+        self._handles: list[Any] = []  # what connect installed, removed at teardown
         self._hold: Any = None  # the policy's kernels, switched on for the whole fit (see forward_context)
-
-    # ------------------------------------------------------------------ set-up
-    def convert(self, module: nn.Module) -> nn.Module:
-        """Watch ``module``'s parameters as FP32 masters (several calls: several models in one store)."""
-        self.sharded = is_sharded(module)
-        if self.master_weights or self.lean is not None:  # parameters that become 16-bit copies or bf16 Parameters
-            refuse_16_bit_batch_norm(module, self._keeps_fp32, self.policy.ops)
-        if self.lean is not None:
-            self.lean.convert(module, self._keeps_fp32, self.sharded)
-        elif self.master_weights and not self.sharded:
-            if self.masters is None:
-                self.masters = MasterWeights(self.format.dtype, keep_fp32=self._keeps_fp32)
-            self.masters.convert(module)
-        return module
-
-    def connect(self, model: nn.Module, root: nn.Module, optimizers: Sequence[Optimizer], schedulers: Sequence[Any],
-                hold_kernels: bool = True) -> str:
-        """The one-time set-up on the model's device; returns the GEMM verdict for the front end to log.
-
-        ``model`` is what runs the forward (a DDP wrapper, say); ``root`` the module whose names reports use.
-        ``hold_kernels=False``: the FP32 policy's and the emulated GEMMs' kernels are registered only for the blocks
-        of ``forward_context()`` and the front end's backward (Fabric's, which has no end of fit)."""
-        self.root = root
-        first = next(model.parameters(), None)
-        self.device_type = first.device.type if first is not None else "cpu"
-        check_device_supports(self.format, self.device_type)
-        verdict = self.gemm.setup(self.device_type, self.format.dtype, hold_kernels) if self.format.is_16bit else ""
-        verdict = "\n".join(filter(None, (verdict, self.fp8.attach(root, self.device_type, self.format.dtype, self._keeps_fp32))))
-        self._handles.extend((self.gemm, self.fp8))  # emulated GEMMs' kernels, FP8 Linears' forwards: until teardown
-        refuse_lbfgs(optimizers, self.scaler.dynamic, self.lean is not None)
-        if self.masters is not None:
-            self._handles.extend(average_fp32_grads_per_step(model, self.step))
-        self.guard_schedulers(schedulers)
-        if self.lean is not None:
-            self.lean.watch(optimizers)
-            self.step.apply = self.lean.step
-        if self.format.is_16bit:
-            # the op policy's kernels for the whole fit: backward and checkpointing's recomputation follow it too
-            self._hold = self.policy.activate() if hold_kernels else None  # else: forward_context's op_context()
-            modules = self.policy.install(model, self.device_type, kernels_active=True)
-            self._handles.extend(h for h in (self._hold, modules) if h is not None)
-            if self.autopilot is not None:
-                self.autopilot.attach(root, self.device_type)
-                self._handles.append(self.autopilot)
-        defer_flags(self)  # fused optimizers skip on the device, the host reads their flags a step late
-        if self.locate_overflows:  # nothing on a clean step; a skip names the first non-finite gradient
-            forward = self.locate_overflows == "forward"  # the forward checks from the first step (9-13% of a step)
-            locator = self.locator = OverflowLocator(root, input_grads=False, forward=forward)
-            self.step.on_overflow = lambda optimizer: locator.locate_gradients(self.named_grads(optimizer))
-            self._handles.append(locator)
-        return verdict
-
-    def guard_schedulers(self, schedulers: Sequence[Any]) -> None:
-        """With ``skip_scheduler_on_overflow``, these schedulers do not advance right after a skipped step."""
-        if self.skip_scheduler_on_overflow and schedulers:
-            self._handles.append(SchedulerGuard(list(schedulers), lambda: self.step.skipping))
-
-    def teardown(self) -> None:
-        """Hooks and kernels out, per-step state dropped: a failed fit leaves nothing for the next one."""
-        self.step.settle(stop=False)  # the last step's flag: counted; a stop it would raise comes after the run
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self.step.on_overflow = None
-        self.step.reset()  # a fit that failed mid-step leaves nothing for the next one
-        if self.masters is not None:
-            self.masters.remove()
-            self.masters = None
-        if self.lean is not None:
-            self.lean.remove()  # the Parameters hold their FP32 masters again
 
     # ------------------------------------------------------------------ the step
     def begin(self, force: bool) -> None:
@@ -178,19 +111,8 @@ class MixedPrecisionCore:
             self.masters.begin(force)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
-        if not self.format.is_16bit:
-            return contextlib.nullcontext()
-        # autocast: tensors built in the forward and parameters read outside their module get 16-bit GEMMs too
-        autocast = torch.autocast(self.device_type, dtype=self.format.dtype)
-        # kernels on for the whole fit (the Trainer's): another hold per forward would only move a counter per kernel
-        ops = self.policy.fallback_mode() if self._hold is not None and self._hold.active else self.policy.op_context()
-        if ops is None and not self.gemm.emulated:
-            return autocast  # the common case (native GEMMs, no torch-function fallback): no ExitStack to run
-        stack = contextlib.ExitStack()
-        for context in (autocast, ops, self.gemm.context()):
-            if context is not None:
-                stack.enter_context(context)
-        return stack
+        """Autocast, the FP32 policy and the GEMMs' emulation for the forward (:func:`~.contexts.forward_context`)."""
+        return forward_context(self.format, self.device_type, self.policy, self._hold, self.gemm)
 
     def backward_context(self) -> contextlib.AbstractContextManager:
         """The backward's GEMMs (grad @ W, x^T @ grad, the attention backward) under the forward's emulation."""
