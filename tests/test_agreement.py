@@ -10,14 +10,16 @@ import torch
 from lightning_mp.doctor.report import OverflowReport
 from lightning_mp.core import agreement
 from lightning_mp.core.agreement import LOCATED_TENSORS, Proposals
+from lightning_mp.numerics import distributed
 
 NAMES, TYPES = ["", "0", "1"], ["Sequential", "Linear", "Scale"]
 
 
 class FakeRanks:
-    """``world`` ranks as threads of this process, for the agreement without a process group: the autopilot's
-    all-reduce is the element-wise MAX of the ranks' tables, behind a barrier (a rank that skips a collective the
-    others make breaks it, as a real group would hang or abort)."""
+    """``world`` ranks as threads of this process, for the agreement without a process group: ``all_reduce`` (which
+    the shared :func:`~lightning_mp.numerics.distributed.agree_on_decisions` calls) is the element-wise MAX of the
+    ranks' tables, behind a barrier (a rank that skips a collective the others make breaks it, as a real group would
+    hang or abort)."""
 
     def __init__(self, monkeypatch, world=2):
         self.world, self.calls = world, 0
@@ -25,10 +27,13 @@ class FakeRanks:
         self._tables: dict[int, torch.Tensor] = {}
         self._local = threading.local()
         monkeypatch.setattr(agreement, "world_size", lambda: world)
+        # the collective's world follows the agreement's: a test that sets agreement.world_size to 1 is one process
+        monkeypatch.setattr(distributed, "world_size", lambda: agreement.world_size())
         monkeypatch.setattr(agreement, "rank", lambda: self._local.rank)
-        monkeypatch.setattr(agreement, "agree_on_max_", self._all_reduce_max_)
+        monkeypatch.setattr(distributed.dist, "all_reduce", self._all_reduce_max_)
 
-    def _all_reduce_max_(self, table):
+    def _all_reduce_max_(self, table, op):
+        assert op == distributed.dist.ReduceOp.MAX
         self._tables[self._local.rank] = table.clone()
         self._barrier.wait()
         reduced = torch.stack([self._tables[r] for r in range(self.world)]).amax(0)
@@ -124,10 +129,10 @@ def test_a_rank_with_nothing_to_propose_still_takes_part(monkeypatch):
 
 
 def test_one_process_makes_no_collective(monkeypatch):
-    def refuse(table):
+    def refuse(*args, **kwargs):
         raise AssertionError("no collective in one process")
 
-    monkeypatch.setattr(agreement, "agree_on_max_", refuse)
+    monkeypatch.setattr(distributed.dist, "all_reduce", refuse)
     proposals = Proposals()
     proposals.measured(1, 1e4, 1.0)
     assert [a.index for a in proposals.agree(NAMES, TYPES, torch.device("cpu"))] == [1]

@@ -23,7 +23,7 @@ FORBIDDEN = {
     "numerics": ({"policy", "gemm", "fp8", "doctor", "core", "lightning", "fabric", "monitors", "demos"}, False),
     "policy": ({"numerics", "gemm", "fp8", "doctor", "core", "lightning", "fabric", "monitors", "demos"}, False),
     "gemm": ({"numerics", "policy", "fp8", "doctor", "core", "lightning", "fabric", "monitors", "demos"}, False),
-    "fp8": ({"numerics", "policy", "doctor", "core", "lightning", "fabric", "monitors", "demos"}, False),
+    "fp8": ({"policy", "doctor", "core", "lightning", "fabric", "monitors", "demos"}, False),
     "doctor": ({"fp8", "core", "lightning", "fabric", "monitors", "demos"}, False),
     "core": ({"lightning", "fabric", "monitors", "demos"}, False),
     "lightning": ({"fabric", "monitors", "demos"}, True),

@@ -36,10 +36,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from lightning_mp.doctor.report import OverflowReport
-from lightning_mp.numerics.distributed import agree_on_max_, world_size
+from lightning_mp.numerics.distributed import agree_on_decisions, rank, world_size
 
 COLUMNS = ("calibration output", "calibration input", "located code", "located input", "world - rank", "rank + 1")
 _CAL_OUT, _CAL_IN, _LOC_CODE, _LOC_IN, _FIRST, _LAST = range(len(COLUMNS))
@@ -100,8 +99,7 @@ class Proposals:
         for index, row in self._rows.items():
             table[index] = torch.tensor(row)
         self._rows.clear()
-        if world_size() > 1:
-            table = agree_on_max_(table.to(device)).cpu()  # NCCL reduces CUDA tensors only: the model's device
+        table = agree_on_decisions(table, device)  # every rank at once, on the model's device
         agreed = []
         for index in ((table[:, _CAL_OUT] > 0) | (table[:, _LOC_CODE] > 0)).nonzero().flatten().tolist():
             row = table[index].tolist()
@@ -122,8 +120,3 @@ class Proposals:
         me = rank()
         for column, value in {**values, _FIRST: world_size() - me, _LAST: me + 1}.items():
             row[column] = max(row[column], math.inf if math.isnan(value) else value)  # MAX, as the ranks' reduce
-
-
-def rank() -> int:
-    """This process's rank (0 in one process)."""
-    return dist.get_rank() if world_size() > 1 else 0

@@ -26,7 +26,8 @@ feature does (most of the row).
 
 Every rank takes the same decisions: at the end of calibration the ranks all-reduce (MAX) one table, per candidate
 and tensor its worst flushed fraction and negated SQNR (6 floats per Linear), so a Linear any rank measured past a
-limit stays in bf16 everywhere. The decisions, with their evidence, are logged, kept in :attr:`decisions`, shown by
+limit stays in bf16 everywhere (:func:`~lightning_mp.numerics.distributed.agree_on_decisions`, the collective of
+``fp32_modules="auto"`` too). The decisions, with their evidence, are logged, kept in :attr:`decisions`, shown by
 ``describe()``, logged to TensorBoard as text by the monitors (``precision/auto_fp8_decisions``), saved in the
 plugin's checkpoint state and re-applied on resume (no recalibration).
 
@@ -42,11 +43,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_mp.fp8.probe import Fp8Probe
 from lightning_mp.fp8.statistics import RECIPE_SCALING, TENSORS, Stats
+from lightning_mp.numerics.distributed import agree_on_decisions, rank
 
 log = logging.getLogger("lightning_mp.plugin")  # the name users filter on, as fp32_modules='auto''s lines
 
@@ -128,7 +129,7 @@ class Fp8Autopilot:
         names = [name for name, _ in self._candidates]
         table = torch.tensor([self._worst.get(n, [0.0, -math.inf] * len(TENSORS)) for n in names]).reshape(
             len(names), 2 * len(TENSORS))
-        table = _agree_on_max(table, self._candidates)
+        table = agree_on_decisions(table, _device(self._candidates))  # every rank at once (-inf: nothing measured)
         for name, row in zip(names, table.tolist()):
             flushed, sqnr = row[0::2], [-v for v in row[1::2]]
             if max(flushed) <= FLUSH_LIMIT and min(sqnr) >= SQNR_LIMIT_DB:
@@ -136,7 +137,7 @@ class Fp8Autopilot:
             decision = Fp8Decision(name, self._steps - 1, self._evidence(flushed, sqnr))
             self.decisions.append(decision)
             self._kept.add(name)
-            if _rank() == 0:
+            if rank() == 0:
                 log.warning(f"fp8_modules='auto': {decision}")
         self._worst.clear()
 
@@ -170,16 +171,7 @@ class Fp8Autopilot:
             self.remove()
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _agree_on_max(table: torch.Tensor, candidates: list[tuple[str, nn.Module]]) -> torch.Tensor:
-    """Every rank ends with each element's largest value over the ranks (one all-reduce; none in one process)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return table
+def _device(candidates: list[tuple[str, nn.Module]]) -> torch.device:
+    """The model's device, where the ranks' table is reduced (NCCL reduces device tensors only)."""
     first = next((p for _, m in candidates for p in m.parameters()), None)
-    device = first.device if first is not None else torch.device("cpu")  # NCCL reduces device tensors only
-    table = table.clamp(min=-1e30).to(device)  # -inf (nothing measured) as a finite floor
-    dist.all_reduce(table, op=dist.ReduceOp.MAX)
-    return table.cpu()
+    return first.device if first is not None else torch.device("cpu")

@@ -10,14 +10,16 @@
   gradients are averaged once per optimizer step, after all micro-batches, as Megatron reduces its FP32
   ``main_grad``. Cost: an all-reduce of 4 bytes per parameter per step, in place on the flat FP32 gradient
   buffer, not overlapped with the backward pass.
-* The autopilot's decisions (``fp32_modules="auto"``): a module one rank moves to FP32 must move on every rank, or
-  the ranks' gradient buffers stop matching (DDP: the next all-reduce aborts or hangs) or compute in different
-  precisions (FSDP2). Each rank's proposals are agreed with the same MAX all-reduce as the overflow flag
-  (:func:`agree_on_max_`, see :mod:`lightning_mp.core.autopilot` for what is reduced and its cost).
+* The autopilots' decisions (``fp32_modules="auto"``, ``fp8_modules="auto"``): a module one rank moves to FP32, or
+  keeps out of FP8, must do so on every rank, or the ranks' gradient buffers stop matching (DDP: the next all-reduce
+  aborts or hangs) or compute in different precisions (FSDP2). Both agree through :func:`agree_on_decisions`, the
+  same MAX all-reduce as the overflow flag on a table of what each rank measured (what each table holds and its cost:
+  :mod:`lightning_mp.core.agreement`, :mod:`lightning_mp.fp8.autopilot`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -39,6 +41,26 @@ def agree_on_max_(values: Tensor) -> Tensor:
 def agree_on_overflow_(found_inf: Tensor) -> Tensor:
     """All ranks end with the largest flag of any rank (in place); a no-op in a single process."""
     return agree_on_max_(found_inf)
+
+
+def rank() -> int:
+    """This process's rank (0 in one process)."""
+    return dist.get_rank() if world_size() > 1 else 0
+
+
+@torch.no_grad()
+def agree_on_decisions(table: Tensor, device: torch.device) -> Tensor:
+    """The autopilots' one collective: ``table`` (what this rank measured, a row per module in an order every rank
+    shares, larger meaning worse) comes back on the host holding each element's largest value over the ranks, so
+    every rank takes the same decisions at the same step. ``device``: the model's (NCCL reduces device tensors only;
+    on CUDA the read back is a host sync). In one process: ``table`` itself, no collective and no copy.
+
+    A NaN goes in as +inf: MAX compares it false against any number, so a backend would keep or drop a rank's NaN
+    depending on the order it combines the ranks in, and every rank must see the worst."""
+    if world_size() == 1:
+        return table
+    table = table.masked_fill(table.isnan(), math.inf).to(device)
+    return agree_on_max_(table).cpu()
 
 
 @torch.no_grad()
