@@ -74,6 +74,15 @@ def test_the_readme_sections_the_site_includes_exist():
             )
 
 
+def test_the_readme_is_a_users_page_of_at_most_300_lines():
+    """The README holds the commands, the knobs and the tags; measurements and how they were taken live in docs/."""
+    lines = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
+    assert lines <= 300, (
+        f"README.md has {lines} lines, over the 300 of a user's page. HINT: move measurements and their methods to "
+        "docs/benchmarks.md or docs/behaviour.md and link them."
+    )
+
+
 def test_the_pages_keep_no_lab_notebook_history():
     """The pages say what is true now; measurement history belongs in the commit log."""
     pages = [ROOT / "README.md", *DOCS.glob("*.md")]
