@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 import lightning_mp.gemm.emulation as ge
 import lightning_mp.gemm.support as gs
 from lightning_mp.gemm.emulation import EmulatedGemmMode, GemmEmulation
+from lightning_mp.gemm.ops import FAMILIES
 from tests.conftest import cuda
 from tests.test_gemm_support import mock_cpu
 
@@ -351,6 +352,69 @@ def test_resnet_convolutions_are_correctly_rounded_forward_and_backward(dtype, n
             assert ulp_distance(e, nat) <= 1, what
 
 
+@contextlib.contextmanager
+def emulating_families(dtype, how, families, monkeypatch):
+    """Emulation of ``families`` only: the mode given them, or a run whose probe found exactly them slow."""
+    if how == "mode":
+        with EmulatedGemmMode(dtype, families=frozenset(families)):
+            yield
+        return
+    mock_cpu(monkeypatch, onednn=True, slowdown={f: 30.0 if f in families else 1.0 for f in FAMILIES})
+    gs.gemm_support.cache_clear()  # a real verdict may be cached already
+    run = GemmEmulation("auto")
+    run.setup("cpu", dtype)
+    assert run.families == set(families)
+    try:
+        with run.context():
+            yield
+    finally:
+        run.remove()
+
+
+@pytest.mark.usefixtures("fresh_gemm_detection")
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("families", [["conv weight grad"], ["conv input grad"], ["conv forward", "conv weight grad"]])
+@pytest.mark.parametrize("name", ["3x3 stride 2", "7x7 stride-2 stem, bias", "3x3 grouped, bias",
+                                  "3x3 stride-2 transposed, bias"])
+@pytest.mark.parametrize("dtype", HALF)
+def test_each_convolution_family_is_emulated_alone_and_the_others_stay_native(dtype, name, families, how, monkeypatch):
+    """With some families emulated (the fp16 weight gradient on an AVX512-FP16 Xeon), every output of a convolution
+    is bit for bit either the native kernel's or the fully emulated one's, as its family says: the bias gradient goes
+    with the weight gradient."""
+    with _disable_current_modes():
+        native = _resnet_conv(name, dtype, False, contextlib.nullcontext())
+    emulated = _resnet_conv(name, dtype, False, emulating(dtype, how))
+    mixed = _resnet_conv(name, dtype, False, emulating_families(dtype, how, families, monkeypatch))
+    owner = ("conv forward", "conv input grad", "conv weight grad", "conv weight grad")
+    for what, family, m, nat, emu in zip(("out", "grad_input", "grad_weight", "grad_bias"), owner, mixed, native,
+                                         emulated):
+        if m is None:
+            continue
+        assert m.dtype == dtype and torch.equal(m, emu if family in families else nat), (what, family)
+
+
+@pytest.mark.usefixtures("fresh_gemm_detection")
+@pytest.mark.parametrize("mask", [[True, False, True], [False, True, False], [False, False, True], [True, True, False]])
+def test_a_split_convolution_backward_returns_exactly_the_gradients_asked_for(mask, monkeypatch):
+    """Frozen weights, frozen inputs, a bias alone: the two halves of a split backward are each asked only for their
+    own gradients, and the op returns None for every gradient not asked for, as the 16-bit kernel does."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = _grid(2, 4, 6, 6, generator=gen).half(), _grid(8, 4, 3, 3, generator=gen).half()
+    g = _grid(2, 8, 6, 6, generator=gen).half()
+    args = (g, x, w, [8], [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    full = torch.ops.aten.convolution_backward(*args, [True, True, True])
+    recorder = Recorder()
+    with recorder, EmulatedGemmMode(torch.float16, families=frozenset({"conv weight grad"})):
+        out = torch.ops.aten.convolution_backward(*args, mask)
+    assert [o is not None for o in out] == mask
+    for o, f, asked in zip(out, full, mask):
+        if asked:
+            assert o.dtype == torch.float16 and ulp_distance(o, f) <= 1
+    calls = [dtypes for name, dtypes in recorder.gemms() if name == "convolution_backward"]
+    # the input gradient natively, the weight gradient in FP32; a bias gradient alone is a sum, no convolution
+    assert sorted(calls, key=str) == [{torch.float16}] * mask[0] + [{torch.float32}] * mask[1]
+
+
 @pytest.mark.parametrize("how", HOW)
 @pytest.mark.parametrize("dtype", HALF)
 def test_a_frozen_convolution_weight_costs_no_weight_gradient(dtype, how):
@@ -460,7 +524,7 @@ def test_cuda_runs_native_kernels_under_auto():
 
 def test_the_probe_leaves_the_thread_count_as_it_was():
     threads = torch.get_num_threads()
-    assert gs._probe_slowdown(torch.float16) > 0
+    assert all(r > 0 for r in gs._probe(torch.float16).values())
     assert torch.get_num_threads() == threads
 
 

@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_mp.gemm.emulation as ge
+import lightning_mp.gemm.ops as go
 import lightning_mp.gemm.support as gs
 from lightning_mp import MixedPrecisionPlugin
+from lightning_mp.gemm.ops import FAMILIES
 from tests.conftest import cuda, trainer_kwargs
 
 
@@ -26,13 +27,13 @@ pytestmark = pytest.mark.usefixtures("fresh_gemm_detection")
 def emulated_calls(monkeypatch):
     """Names of the aten ops the emulation computed in FP32, in order."""
     calls: list[str] = []
-    real = ge._emulate
+    real = go._emulate
 
-    def spy(func, dtype, args, kwargs, staging, **below):
+    def spy(func, *rest, **below):
         calls.append(func.overloadpacket.__name__)
-        return real(func, dtype, args, kwargs, staging, **below)
+        return real(func, *rest, **below)
 
-    monkeypatch.setattr(ge, "_emulate", spy)
+    monkeypatch.setattr(go, "_emulate", spy)
     return calls
 
 
@@ -134,7 +135,7 @@ def test_native_run_enters_no_emulation(emulated_calls):
 
 def test_auto_emulates_where_the_format_is_slow_and_says_so_at_setup(monkeypatch, emulated_calls, info_lines):
     monkeypatch.setattr(gs, "_torch_reports_native", lambda dtype: dtype == torch.bfloat16)
-    monkeypatch.setattr(gs, "_probe_slowdown", lambda dtype: 25.0)
+    monkeypatch.setattr(gs, "_probe", lambda dtype: dict.fromkeys(FAMILIES, 1.0 if dtype == torch.bfloat16 else 25.0))
     fp16 = MixedPrecisionPlugin("fp16")
     fit(fp16, epochs=1)
     assert fp16.gemm.emulated and emulated_calls
@@ -148,9 +149,26 @@ def test_auto_emulates_where_the_format_is_slow_and_says_so_at_setup(monkeypatch
     assert [line for line in info_lines if line.startswith("16-bit GEMMs: native bf16 kernels")]
 
 
+def test_fp16_on_a_xeon_with_avx512_fp16_emulates_only_the_convolution_weight_gradient(monkeypatch, emulated_calls,
+                                                                                       info_lines):
+    """The probe's figures of an Intel Xeon with AVX512-FP16 (oneDNN runs the fp16 weight gradient in its reference
+    kernel, 30-80x FP32): a fit emulates that gradient alone, says so in its one line, and trains in fp16."""
+    figures = {"matmul": 1.2, "conv forward": 1.6, "conv input grad": 1.5, "conv weight grad": 31.0}
+    monkeypatch.setattr(gs, "_torch_reports_native", lambda dtype: True)
+    monkeypatch.setattr(gs, "_probe", lambda dtype: dict(figures))
+    plugin = MixedPrecisionPlugin("fp16")
+    model = fit(plugin, epochs=2)
+    assert set(emulated_calls) == {"convolution_backward"}  # only the weight gradient's half of it
+    assert model.activation_dtypes == {torch.float16} and model.gradient_dtypes == {torch.float16}
+    line = ("16-bit GEMMs: native fp16 kernels for matmul, conv forward, conv input grad; emulated (FP32 GEMMs on fp16 "
+            "operands, results rounded to fp16) for conv weight grad; gemm='auto': ")
+    assert [x for x in info_lines if x.startswith(line) and "conv weight grad 31.0x" in x]
+    assert line in plugin.describe()
+
+
 def test_slow_native_kernels_warn_once_at_setup(monkeypatch):
     monkeypatch.setattr(gs, "_torch_reports_native", lambda dtype: False)
-    monkeypatch.setattr(gs, "_probe_slowdown", lambda dtype: 25.0)
+    monkeypatch.setattr(gs, "_probe", lambda dtype: dict.fromkeys(FAMILIES, 25.0))
     with pytest.warns(UserWarning, match=r"25x the FP32 time.*HINT: gemm='auto'"):
         fit(MixedPrecisionPlugin("bf16", gemm="native"), epochs=1)
     with warnings.catch_warnings():
@@ -186,3 +204,20 @@ def test_cuda_runs_native_under_auto(emulated_calls):
     trainer = L.Trainer(**trainer_kwargs(accelerator="cuda", max_steps=2, plugins=[plugin]))
     trainer.fit(ConvAttention(), data())
     assert not plugin.gemm.emulated and emulated_calls == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_ddp_ranks_with_different_probe_figures_emulate_the_same_families(tmp_path):
+    """Two gloo ranks whose probes land on either side of the line for the conv forward (1.9x and 2.1x) both emulate
+    it, with the same verdict line, and end with the same weights."""
+    import os
+
+    from benchmarks.harness import launch_ranks
+
+    worker = os.path.join(os.path.dirname(__file__), "gemm_worker.py")
+    r0, r1 = launch_ranks(worker, tmp_path, "--figures", "1.2,1.9,1.5,31", "1.3,2.1,1.4,29")
+    assert r0["families"] == r1["families"] == ["conv forward", "conv weight grad"]
+    assert r0["line"] == r1["line"] and "conv forward 2.1x" in r0["line"] and "matmul 1.3x" in r0["line"]
+    for k in r0["state"]:
+        assert torch.equal(r0["state"][k], r1["state"][k]), k

@@ -24,10 +24,11 @@ one below autograd (see ``_kernel``), registered for the GEMMs only, so no other
 makes a Python call for every one); it uses the mode only under ``torch.inference_mode``, whose tensors skip that
 key.
 
-Whether to emulate is decided per (device type, dtype), by :mod:`lightning_mp.gemm.support`: bf16 and fp16 differ.
+Whether to emulate is decided per (device type, dtype) and op family by :mod:`lightning_mp.gemm.support` (bf16 and
+fp16 differ, and so do matrix products and a convolution's forward, input and weight gradient: :mod:`.ops`).
 
 ``torch.compile`` traces the kernels: Dynamo and AOTAutograd run them on fake and functional tensors, and the graph
-they build holds the upcast, the FP32 GEMM and the rounding (see :func:`_emulate`), so compiled code computes what
+they build holds the upcast, the FP32 GEMM and the rounding (see ``ops._emulate``), so compiled code computes what
 eager emulation computes with no Python call per GEMM. Inductor may then fuse a rounding into the next op and keep
 its FP32 value (its ``emulate_precision_casts`` is off by default), as it does for native 16-bit code. The compile
 caches' key names the emulated format (:mod:`lightning_mp.compile_key`): native and emulated graphs never mix.
@@ -51,14 +52,13 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_mp.compile_key import count_part
-from lightning_mp.gemm.ops import _FP32_CALLS, _FP32_OUTPUTS, EMULATED_OPS
-from lightning_mp.gemm.staging import _Staging, _traced, _upcast
-from lightning_mp.gemm.support import GemmSupport, _dtype_name, _warn_slow_once, cpu_capability, gemm_support
+from lightning_mp.gemm.ops import _BELOW, ALL_FAMILIES, EMULATED_OPS, FAMILIES, compute
+from lightning_mp.gemm.staging import _Staging, _traced
+from lightning_mp.gemm.support import GemmSupport, _dtype_name, _warn_slow_once, agreed, cpu_capability, gemm_support
 
 GEMM_CHOICES = ("auto", "native", "emulated")
 
 aten = torch.ops.aten
-_BELOW = torch._C._AutoDispatchBelowADInplaceOrView  # dispatch below autograd and ADInplaceOrView (see _kernel)
 
 @functools.lru_cache(maxsize=None)
 def _composite(func) -> bool:
@@ -66,57 +66,27 @@ def _composite(func) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 
 
-def _emulate(func, dtype: torch.dtype, args: tuple, kwargs: dict, staging: _Staging, below: bool = False):
-    """``func`` in FP32 on the ``dtype`` operands, its results rounded (nearest-even) back to ``dtype``; ``below``:
-    called from the ADInplaceOrView kernel, so the FP32 call goes on below that key.
-
-    Operands of a tensor subclass are upcast with plain ``.to`` instead of through ``staging``: ``torch.compile``
-    traces this function with fake and functional tensors (Dynamo, AOTAutograd), which have no memory to reuse. The
-    traced graph holds the same upcast, FP32 GEMM and rounding as eager emulation, which inductor fuses and runs
-    without Python (so for ``DTensor`` operands too; other subclasses never get here: ``_traced``)."""
-    for a in args:  # a loop, not all(<generator>): this runs for every emulated GEMM
-        if isinstance(a, Tensor) and type(a) is not Tensor and type(a) is not nn.Parameter:
-            staging = None
-            break
-    take = _upcast if staging is None else staging.take  # a few us of Python per op in all: GEMMs take tens
-    args = [take(a) if isinstance(a, Tensor) and a.dtype == dtype else a for a in args]
-    if kwargs:
-        kwargs = {k: take(v) if isinstance(v, Tensor) and v.dtype == dtype else v for k, v in kwargs.items()}
-    with _BELOW() if below else contextlib.nullcontext():
-        out = _FP32_CALLS.get(func, func)(*args, **kwargs)
-    if isinstance(out, Tensor):
-        result = out.to(dtype)
-    else:
-        keep = _FP32_OUTPUTS.get(func, ())
-        result = type(out)(
-            o.to(dtype) if isinstance(o, Tensor) and o.dtype == torch.float32 and i not in keep else o
-            for i, o in enumerate(out)
-        )
-    if staging is not None:
-        staging.done(result)
-    return result
-
-
 class EmulatedGemmMode(TorchDispatchMode):
     """While active, the ops of :data:`EMULATED_OPS` on ``dtype`` operands compute in FP32 and round their results
-    to ``dtype``; every other op runs as it is. Enter it around the forward *and* the backward.
+    to ``dtype`` (those of ``families`` only: :mod:`lightning_mp.gemm.ops`); every other op runs as it is. Enter it
+    around the forward *and* the backward.
 
     Every aten op under the mode makes one Python call (a set lookup and the re-call): a fixed few microseconds
     per op, whatever the tensor sizes. ``staging`` keeps the FP32 operand buffers for reuse across ops and
     steps (:class:`_Staging`); pass the same one to every mode of a run.
     """
 
-    def __init__(self, dtype: torch.dtype, staging: _Staging | None = None) -> None:
+    def __init__(self, dtype: torch.dtype, staging: _Staging | None = None, families: frozenset = ALL_FAMILIES) -> None:
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"dtype={dtype!r} is not allowed: use torch.bfloat16 or torch.float16.")
         super().__init__()
-        self.dtype = dtype
+        self.dtype, self.families = dtype, families
         self.staging = staging if staging is not None else _Staging()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: A002 (torch's signature)
         kwargs = kwargs or {}
         if func in EMULATED_OPS and any(isinstance(a, Tensor) and a.dtype == self.dtype for a in args):
-            return _emulate(func, self.dtype, args, kwargs, self.staging)
+            return compute(func, self.dtype, self.families, args, kwargs, self.staging)
         if _composite(func):
             # Under torch.inference_mode (Lightning's validate/test/predict) composite ops such as conv2d and linear
             # reach the mode whole instead of as the convolution / addmm they are made of; run their decomposition
@@ -139,10 +109,10 @@ class EmulatedGemmMode(TorchDispatchMode):
 # benchmarks/zoo.py a step makes about 600 aten calls and 60 GEMMs. Tensors made under torch.inference_mode lack the
 # key, so under inference mode (Lightning's validate, test, predict) the mode runs instead.
 class _Emulating(threading.local):
-    """The thread's emulation while a run's context is entered: (dtype, staging), else None. Per thread, as the
+    """The thread's emulation while a run's context is entered: (dtype, staging, families), else None. Per thread, as the
     mode is: the CPU backward runs on the thread that calls ``backward()``. A thread that never set it reads None."""
 
-    state: tuple[torch.dtype, _Staging] | None = None
+    state: tuple[torch.dtype, _Staging, frozenset] | None = None
 
 
 _EMULATING = _Emulating()
@@ -175,7 +145,7 @@ def _kernel(op: Any) -> Callable[..., Any]:
                         break
                     emulate = emulate or a.dtype == dtype
             if emulate:  # (else: a subclass that computes its own GEMM, torchao's FP8 tensors, gets the op as is)
-                return _emulate(op, dtype, args, kwargs, state[1], below=True)
+                return compute(op, dtype, state[2], args, kwargs, state[1], below=True)
         with _BELOW():  # on to the backend's kernel (and any dispatch mode under this key)
             return op(*args, **kwargs)
 
@@ -218,21 +188,26 @@ class GemmEmulation:
         self.gemm = gemm
         self.dtype: torch.dtype | None = None
         self.support: GemmSupport | None = None
-        self.emulated = False
+        self.emulated = False  # whether any op family is emulated
+        self.families: frozenset = frozenset()  # the emulated op families (lightning_mp.gemm.ops)
         self._staging = _Staging()  # shared by every step's mode: its buffers outlive one op
         self._release: weakref.finalize | None = None  # this run's hold on the kernels (from setup to remove)
 
-    def setup(self, device_type: str, dtype: torch.dtype, hold: bool = True) -> str:
+    def setup(self, device_type: str, dtype: torch.dtype, hold: bool = True, agree=None) -> str:
         """Decide for this run (detection is cached per process), warn once if 16-bit is slow and emulation is
         off, and return the one line to log. ``hold=False``: no kernels from setup to ``remove()`` (Fabric's, which
-        has no end of fit: :meth:`hold` spans what it needs, and :meth:`context` registers them where nothing does)."""
+        has no end of fit: :meth:`hold` spans what it needs, and :meth:`context` registers them where nothing does).
+        ``agree``: ``agree_on_max_`` (every rank calls setup), so that every rank decides on the same probe figures
+        (:func:`lightning_mp.gemm.support.agreed`)."""
         self.dtype = dtype
         if dtype not in (torch.bfloat16, torch.float16):
-            self.support, self.emulated = None, False
+            self.support, self.emulated, self.families = None, False, frozenset()
             return self.describe()
-        self.support = gemm_support(device_type, dtype)
-        self.emulated = self.gemm == "emulated" or (self.gemm == "auto" and not self.support.native)
-        if not self.support.native and not self.emulated:
+        self.support = agreed(gemm_support(device_type, dtype), agree)
+        chosen = {"emulated": ALL_FAMILIES, "native": frozenset()}.get(self.gemm, self.support.slow)
+        self.families = ALL_FAMILIES if chosen == ALL_FAMILIES else chosen  # the set itself: compute()'s fast path
+        self.emulated = bool(self.families)
+        if self.support.slow and self.gemm == "native":
             _warn_slow_once(self.support)
         if hold:
             self.hold()
@@ -263,13 +238,15 @@ class GemmEmulation:
         before, inference, name = _EMULATING.state, torch.is_inference_mode_enabled(), _dtype_name(self.dtype)
         block = int(self._release is None and not inference)  # 1: no hold for the run, so one for this block
         _hold_kernels(block)  # registers the kernels where nothing holds them (a table update per op, about 0.3 ms)
+        if self.families != ALL_FAMILIES:  # a graph with some families native is another graph
+            name += ":" + "+".join(f for f in FAMILIES if f in self.families)
         count_part("gemm_emulated", name, +1)  # compile caches keep these graphs apart (lightning_mp.compile_key)
         try:
             if inference:
-                with EmulatedGemmMode(self.dtype, self._staging):
+                with EmulatedGemmMode(self.dtype, self._staging, self.families):
                     yield
             else:
-                _EMULATING.state = (self.dtype, self._staging)
+                _EMULATING.state = (self.dtype, self._staging, self.families)
                 yield
         finally:
             _EMULATING.state = before
@@ -284,11 +261,12 @@ class GemmEmulation:
         if self.support is None:
             return f"16-bit GEMMs: not used ({_dtype_name(self.dtype)} run)"
         name, why = _dtype_name(self.dtype), self.support.reason
-        if self.emulated:
-            how = f"emulated (FP32 GEMMs on {name} operands, results rounded to {name})"
-        else:
-            how = f"native {name} kernels"
-        if self.gemm != "auto" and self.emulated == self.support.native:
+        how = f"emulated (FP32 GEMMs on {name} operands, results rounded to {name})"
+        if self.families != ALL_FAMILIES:
+            native, emulated = ([f for f in FAMILIES if (f in self.families) == e] for e in (False, True))
+            how = f"native {name} kernels" + (f" for {', '.join(native)}; {how} for {', '.join(emulated)}"
+                                               if emulated else "")
+        if self.gemm != "auto" and self.families != self.support.slow:
             return f"16-bit GEMMs: {how}, forced by gemm={self.gemm!r} ({why})"
         return f"16-bit GEMMs: {how}; gemm={self.gemm!r}: {why}"
 
