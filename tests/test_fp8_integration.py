@@ -123,7 +123,8 @@ def test_every_recipe_trains_near_bf16_under_fabric(recipe, name):
     losses = {}
     for precision in ("bf16", "fp8"):
         torch.manual_seed(0)
-        plugin = FabricPlugin(precision, fp8_recipe=recipe, fp8_modules=[nn.Linear])
+        fp8 = {"fp8_recipe": recipe, "fp8_modules": [nn.Linear]} if precision == "fp8" else {}
+        plugin = FabricPlugin(precision, **fp8)  # FP8 knobs under bf16 are refused
         fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
         module = MODELS[name]()
         model, opt = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-3))
@@ -227,3 +228,20 @@ def test_an_fp8_resume_continues_bit_for_bit_as_an_uninterrupted_run(tmp_path, r
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
         assert a.dtype == torch.float32 and torch.equal(a, b), name
     assert not torch.equal(copy.deepcopy(first).head.weight, straight.head.weight)  # the second epoch moved them
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_fp8_on_compensated_masters_trains_bit_for_bit_as_on_fp32_masters(recipe):
+    """docs/fp8.md's promise for "fp8" with master_weights="compensated" (bf16 parameters with exact remainders)."""
+    trained = {}
+    for masters in (True, "compensated"):
+        torch.manual_seed(0)
+        model = gpt()
+        plugin = MixedPrecisionPlugin("fp8", fp8_recipe=recipe, fp8_modules=[nn.Linear], master_weights=masters)
+        trainer(plugin).fit(model, torch.utils.data.DataLoader(tokens(), batch_size=BATCH))
+        assert plugin.core.fp8.chosen and (plugin.core.lean is not None) == (masters == "compensated")
+        trained[masters] = model
+    for (name, a), b in zip(trained[True].named_parameters(), trained["compensated"].parameters()):
+        assert b.dtype == torch.float32 and torch.equal(a, b), name  # FP32 again after the fit, and identical
+    torch.manual_seed(0)
+    assert not torch.equal(trained[True].head.weight, gpt().head.weight)  # the steps moved them from their start

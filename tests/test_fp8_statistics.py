@@ -72,8 +72,11 @@ def test_mx_blocks_of_32_each_get_their_own_scale():
 
 
 def test_saturation_is_zero_under_dynamic_scales_and_a_zero_tensor_is_exact():
-    s = stats(torch.randn(128, 128) * 1e4, TENSORWISE)
+    s = stats(torch.randn(128, 128, generator=torch.Generator().manual_seed(0)) * 1e4, TENSORWISE)
     assert s.saturated_fraction == 0.0
+    # 42260.5078125 * fl(448 / 42260.5078125) is 448.00003 in FP32: the scale's rounding, not a saturated value
+    # (it was counted as one, so an unseeded tensor of this test read 6e-5 depending on the RNG's state)
+    assert stats(torch.tensor([[42260.5078125, 1.0]]), TENSORWISE).saturated_fraction == 0.0
     zero = stats(torch.zeros(4, 16), ROWWISE)
     assert zero.flushed_fraction == 0.0 and zero.sqnr_db == math.inf
 

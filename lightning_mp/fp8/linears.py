@@ -9,7 +9,10 @@ FP8 matmul on the weight the module reads in its forward: the bf16 copy of the F
 master, the optimizer and every checkpoint stay FP32. ``teardown`` takes the attribute out again.
 
 Outside the run's autocast (a forward of the user's own between steps, Fabric code outside the model's forward
-context) the Linear computes as it always does, on its FP32 Parameters: FP8 is a property of the training step.
+context) the Linear computes as it always does, on its FP32 Parameters: FP8 is a property of the run's steps.
+Evaluation steps (Lightning's validate, test and predict, under ``torch.inference_mode`` or ``no_grad``; Fabric
+forwards under either) compute the training step's FP8 forward, bit for bit: a validation loss is the loss of the
+model as it trains.
 Inside it, torchao's function runs with autocast off: its emulated GEMM is an FP32 ``torch.mm`` on FP8 values,
 which autocast would otherwise round to bf16, and the FP32 policy's kernels have nothing to do there. Activation
 memory is a bf16 Linear's: torchao saves the bf16 input and weight for the backward.
@@ -20,8 +23,10 @@ class's plain ``forward``: the copy computes on its own Parameters.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -49,6 +54,28 @@ class Fp8Settings:
         object.__setattr__(self, "modules", check_fp8_modules(self.modules))
 
 
+def _refuse_without_fp8(precision: str, settings: Fp8Settings) -> None:
+    """An FP8 knob other than its default under a precision that computes no Linear in FP8 would run plain
+    ``precision`` with no word: refused, as ``optimizer_state_dtype`` is without ``master_weights='compensated'``."""
+    default = Fp8Settings()
+    for name, value, wanted in (("fp8_recipe", settings.recipe, default.recipe),
+                                ("fp8_modules", settings.modules, default.modules)):
+        if value != wanted:
+            shown = _shown(value)
+            raise ValueError(
+                f"{name}={shown} is not allowed with precision={precision!r}: it chooses how Linears compute in FP8, "
+                f"and only precision='fp8' (bf16 whose chosen Linears multiply in FP8) computes any. HINT: "
+                f"MixedPrecisionPlugin('fp8', {name}={shown}), or leave {name} out for {precision!r}."
+            )
+
+
+def _shown(value: Any) -> str:
+    """``value`` as the user wrote it: a list's classes by their names (``[Linear, 'mlp']``), the rest by repr."""
+    if isinstance(value, tuple):
+        return "[" + ", ".join(v.__name__ if isinstance(v, type) else repr(v) for v in value) + "]"
+    return repr(value)
+
+
 class Fp8Forward:
     """A chosen Linear's ``forward`` for the fit: torchao's FP8 matmul under the run's autocast, the Linear's own
     computation outside it."""
@@ -63,12 +90,24 @@ class Fp8Forward:
         weight, bias = m.weight, m.bias  # inside the module's call: the bf16 copies
         if not torch.is_autocast_enabled(self.device_type):
             return F.linear(input, weight, bias)
-        with torch.autocast(self.device_type, enabled=False):
+        # Evaluation computes the training step's FP8 forward, whatever turned gradients off: under
+        # torch.inference_mode (Lightning's default for validate, test and predict) torchao's row-scaled FP8 tensors
+        # meet `aten.reshape` undecomposed, which they do not implement (outside inference mode it reaches them as
+        # the `view` they do), so the FP8 forward runs with inference mode off and gradients off: no_grad's
+        # computation, bit for bit. The cost is the version counters of a few intermediate tensors.
+        leave = _no_inference_mode if torch.is_inference_mode_enabled() else contextlib.nullcontext
+        with leave(), torch.autocast(self.device_type, enabled=False):
             out = self.matmul(input.to(self.dtype), weight.to(self.dtype))
             return out if bias is None else out + bias.to(self.dtype)
 
     def __reduce__(self) -> tuple:
         return (_plain_forward, (self.module,))
+
+
+@contextlib.contextmanager
+def _no_inference_mode() -> Iterator[None]:
+    with torch.inference_mode(False), torch.no_grad():  # inference_mode(False) alone turns gradients back on
+        yield
 
 
 def _plain_forward(module: nn.Module) -> Callable:
@@ -85,6 +124,8 @@ class Fp8Linears:
 
     def __init__(self, precision: str, settings: Fp8Settings, calibration_steps: int = 10) -> None:
         self.enabled = precision == "fp8"
+        if not self.enabled:
+            _refuse_without_fp8(precision, settings)
         self.settings = settings
         base, auto = split_auto(settings.modules)
         self._base = base

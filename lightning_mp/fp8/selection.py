@@ -149,6 +149,8 @@ def _listed(root: nn.Module, entries: tuple, linears: dict[str, nn.Linear], mult
                 f"fp8_modules entry {label!r} matches no module of {type(root).__name__}: use qualified names or "
                 f"dotted suffixes of its modules, or classes it holds (its Linears include {sample or 'none'})."
             )
+        if not any(isinstance(m, nn.Linear) for hit in hits for m in named[hit].modules()):
+            _refuse_without_linears(entry, hits, named, linears)
         for hit in hits:
             prefix = "" if hit == "" else hit + "."
             inside = [n for n in linears if n == hit or n.startswith(prefix) or hit == ""]
@@ -162,3 +164,17 @@ def _listed(root: nn.Module, entries: tuple, linears: dict[str, nn.Linear], mult
                 )
             chosen.update(dict.fromkeys(inside))
     return list(chosen)
+
+
+def _refuse_without_linears(entry: str | type, hits: list[str], named: dict[str, nn.Module],
+                            linears: dict[str, nn.Linear]) -> None:
+    """An entry whose modules hold no ``nn.Linear`` (a ``LayerNorm`` by name) would put nothing in FP8, silently."""
+    label = repr(entry) if isinstance(entry, str) else entry.__name__
+    more = f" and {len(hits) - 1} more" if len(hits) > 1 else ""
+    sample = ", ".join(repr(n) for n in list(linears)[:4])
+    raise ValueError(
+        f"fp8_modules entry {label} names {hits[0]!r}{more}, a {type(named[hits[0]]).__name__}, which holds no "
+        "nn.Linear: nothing of it would compute in FP8 (FP8 here is a Linear's matrix product; other layers stay as "
+        f"the precision computes them). HINT: name Linears or the blocks that hold them (the model's Linears include "
+        f"{sample or 'none'}), or leave it out."
+    )
