@@ -130,11 +130,12 @@ def peak_rss() -> Optional[int]:
 
 
 def slow_native_rows(runs: list[str]) -> dict[str, str]:
-    """Lightning's own rows in ``runs`` whose 16-bit format this CPU has no native arithmetic for, each with the
-    verdict of :func:`lightning_mp.gemm.support.gemm_support`. Lightning's plugin has no emulation, so such a row
-    runs torch's scalar 16-bit kernels: FP16 convolutions fall back to ``aten::_slow_conv2d`` (an AVX512 CPU with
-    native bf16 and no FP16: a step ~50x as long as in FP32, 90% of it in that kernel's backward), and bf16 on an
-    AVX2 CPU took ~20x FP32 (one row past 10 minutes). Ours computes them as FP32 GEMMs there (``gemm="auto"``)."""
+    """Lightning's own rows in ``runs`` whose 16-bit format has a slow op family on this CPU, each with the verdict of
+    :func:`lightning_mp.gemm.support.gemm_support`. Lightning's plugin has no emulation, so such a row runs torch's
+    slow 16-bit kernels: FP16 convolutions fall back to ``aten::_slow_conv2d`` (an AVX512 CPU with native bf16 and
+    no FP16: a step ~50x as long as in FP32, 90% of it in that kernel's backward), bf16 on an AVX2 CPU took ~20x
+    FP32 (one row past 10 minutes), and an Intel Xeon with AVX512-FP16 runs the fp16 convolution weight gradient in
+    oneDNN's reference kernel (280x FP32). Ours computes those families as FP32 GEMMs there (``gemm="auto"``)."""
     slow = {}
     for name in runs:
         dtype = NATIVE_DTYPES.get(name)
