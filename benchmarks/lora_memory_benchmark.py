@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 
 ROWS = ("bf16-mixed", "lightning_mp bf16, gemm='emulated'", "lightning_mp bf16, gemm='native'")
@@ -121,13 +120,9 @@ def main() -> None:
 
     from lightning_mp.gemm.support import cpu_capability
 
-    argv = [sys.executable, __file__] + [a for a in sys.argv[1:]]
-    results = {}
-    for row in ROWS:
-        done = subprocess.run([*argv, "--worker", row], capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"{row} failed:\n{done.stderr[-3000:]}")
-        results[row] = json.loads(done.stdout.strip().splitlines()[-1])
+    from harness import worker_row
+
+    results = {row: worker_row(__file__, *sys.argv[1:], "--worker", row) for row in ROWS}
     first = results[ROWS[0]]
     mib = 2**20
     print(f"CPU capability: {cpu_capability()}; torch {torch.__version__}; {args.threads} thread(s); Llama "

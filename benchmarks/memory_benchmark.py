@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import subprocess
 import sys
 
 try:
@@ -34,23 +33,10 @@ VARIANTS = [
 ]
 
 
-def live_storage_bytes() -> int:
-    import torch
-
-    seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
-                storage = obj.untyped_storage()
-                seen[storage.data_ptr()] = storage.nbytes()
-        except Exception:  # noqa: BLE001 (objects the collector hands out can be half-built)
-            continue
-    return sum(seen.values())
-
-
 def worker(variant: str, args: argparse.Namespace) -> dict:
     import lightning as L
     import torch
+    from harness import live_storage_bytes  # the count tests/test_memory_integration.py makes too
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -121,12 +107,9 @@ def main(argv=None) -> list[dict]:
 
     print(f"CPU capability: {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}")
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k != "worker"]
-    rows = []
-    for variant in VARIANTS:
-        out = subprocess.run(
-            [sys.executable, __file__, "--worker", variant, *forwarded], capture_output=True, text=True, check=True
-        )
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    from harness import worker_row
+
+    rows = [worker_row(__file__, "--worker", variant, *forwarded) for variant in VARIANTS]
     base = next(r for r in rows if r["variant"] == "native bf16-mixed")["peak_mib"]
     print(f"GPT {args.n_layer}x{args.n_embd}, {rows[0]['params'] / 1e6:.1f}M parameters, Adam, batch "
           f"{args.batch_size}x{args.block_size}, {args.steps} steps\n")

@@ -11,7 +11,6 @@ Writes ``rank{r}.pt`` into ``--out``: the gathered full weights, the moved modul
 plugin's counters and the losses.
 """
 
-import argparse
 import os
 import sys
 
@@ -23,6 +22,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from benchmarks.harness import end_worker, start_worker, worker_arguments  # noqa: E402
 from lightning_mp import MixedPrecisionPlugin  # noqa: E402
 
 OUTLIER = 3000.0  # net.0's outputs stay below fp16's calibration threshold (8188); net.2's go past 65504
@@ -75,19 +75,15 @@ def data(world, outlier_ranks):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+    parser = worker_arguments()
     parser.add_argument("--strategy", default="ddp", help="ddp or fsdp")
-    parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--outlier-ranks", default="", help="comma-separated ranks whose first batch has the outlier")
     parser.add_argument("--calibration-steps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--save", help="checkpoint written after the fit")
     parser.add_argument("--resume", help="checkpoint to resume from")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    L.seed_everything(0, verbose=False)
+    args = start_worker(parser)
     world = args.devices * args.num_nodes
     outliers = [int(r) for r in args.outlier_ranks.split(",") if r]
     plugin = MixedPrecisionPlugin("fp16", init_scale=2.0**8, fp32_modules="auto",
@@ -126,12 +122,7 @@ def main():
         "losses": model.losses,
         "steps": trainer.global_step,
     }
-    torch.save(result, os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
-
-    if torch.distributed.is_initialized():
-        # gloo's threads must stop before the interpreter does: left to exit, they sometimes abort the process
-        # ("terminate called without an active exception") after the results are written
-        torch.distributed.destroy_process_group()
+    end_worker(args.out, trainer.global_rank, result)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@
 Writes ``rank{r}.pt`` into ``--out`` with the final weights and the plugin's counters.
 """
 
-import argparse
 import os
 import sys
 
@@ -14,6 +13,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from benchmarks.harness import end_worker, start_worker, worker_arguments  # noqa: E402
 from lightning_mp import MixedPrecisionPlugin  # noqa: E402
 
 
@@ -57,10 +57,8 @@ class Model(L.LightningModule):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = worker_arguments()
     parser.add_argument("--precision", default="bf16")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--poison-rank", type=int, default=-1)
@@ -69,9 +67,7 @@ def main():
     parser.add_argument("--manual", action="store_true", help="manual optimization: manual_backward, opt.step")
     parser.add_argument("--native", default="", help="Lightning's own precision instead of the plugin")
     parser.add_argument("--compensated", action="store_true", help="master_weights='compensated' (lean bf16)")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    L.seed_everything(0, verbose=False)
+    args = start_worker(parser)
     g = torch.Generator().manual_seed(1)
     if args.exact:
         x = torch.randint(-2, 3, (64, 4), generator=g).float()
@@ -100,15 +96,8 @@ def main():
     )
     trainer.fit(model)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    torch.save(
-        {"state": state, "scale": plugin.loss_scale, "skipped": plugin.skipped_steps, "steps": trainer.global_step},
-        os.path.join(args.out, f"rank{trainer.global_rank}.pt"),
-    )
-
-    if torch.distributed.is_initialized():
-        # gloo's threads must stop before the interpreter does: left to exit, they sometimes abort the process
-        # ("terminate called without an active exception") after the results are written
-        torch.distributed.destroy_process_group()
+    result = {"state": state, "scale": plugin.loss_scale, "skipped": plugin.skipped_steps, "steps": trainer.global_step}
+    end_worker(args.out, trainer.global_rank, result)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Linears computed through the FP8 forward, the autopilot's decisions, and the dty
 gradients at the optimizer step.
 """
 
-import argparse
 import os
 import sys
 
@@ -28,6 +27,7 @@ from torch.nn import functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_mp.fp8.autopilot as fp8_autopilot  # noqa: E402
+from benchmarks.harness import end_worker, start_worker, worker_arguments  # noqa: E402
 from lightning_mp import MixedPrecisionPlugin  # noqa: E402
 from lightning_mp.fp8.linears import Fp8Forward  # noqa: E402
 
@@ -81,15 +81,16 @@ class Net(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
 
-def record_local_measurements(into):
+def record_local_measurements(into, plugin):
     """What this rank measured before the ranks agree: {Linear: its row of the table} (flushed, -SQNR per tensor)."""
-    agree = fp8_autopilot._agree_on_max
+    agree = fp8_autopilot.agree_on_decisions
 
-    def recording(table, candidates):
+    def recording(table, device):
+        candidates = plugin.core.fp8.autopilot._candidates  # the table's rows, in order
         into.update({name: row for (name, _), row in zip(candidates, table.tolist())})
-        return agree(table, candidates)
+        return agree(table, device)
 
-    fp8_autopilot._agree_on_max = recording
+    fp8_autopilot.agree_on_decisions = recording
 
 
 def data(steps, devices, outlier_ranks, calibration_steps, rank):
@@ -105,10 +106,8 @@ def data(steps, devices, outlier_ranks, calibration_steps, rank):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+    parser = worker_arguments()
     parser.add_argument("--strategy", default="ddp", help="ddp or fsdp (with --devices 1: one plain process)")
-    parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--precision", default="fp8")
     parser.add_argument("--recipe", default="rowwise")
     parser.add_argument("--auto", action="store_true", help="fp8_modules=[nn.Linear, 'auto']")
@@ -116,14 +115,12 @@ def main():
     parser.add_argument("--calibration-steps", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--save", help="checkpoint written after the fit")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    L.seed_everything(0, verbose=False)
+    args = start_worker(parser)
     local = {}
-    record_local_measurements(local)
     modules = [nn.Linear, "auto"] if args.auto else [nn.Linear]
     fp8 = {"fp8_recipe": args.recipe, "fp8_modules": modules} if args.precision == "fp8" else {}
     plugin = MixedPrecisionPlugin(args.precision, calibration_steps=args.calibration_steps, **fp8)
+    record_local_measurements(local, plugin)
     model = Net(plugin, fsdp=args.strategy == "fsdp" and args.devices > 1)
     if args.devices == 1:
         strategy = "auto"
@@ -157,13 +154,7 @@ def main():
         "describe": plugin.core.fp8.describe(),
         "steps": trainer.global_step,
     }
-    os.makedirs(args.out, exist_ok=True)
-    torch.save(result, os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
-
-    if torch.distributed.is_initialized():
-        # gloo's threads must stop before the interpreter does: left to exit, they sometimes abort the process
-        # ("terminate called without an active exception") after the results are written
-        torch.distributed.destroy_process_group()
+    end_worker(args.out, trainer.global_rank, result)
 
 
 if __name__ == "__main__":

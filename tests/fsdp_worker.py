@@ -5,7 +5,6 @@ Writes ``rank{r}.pt`` into ``--out``: the gathered full weights, the plugin's co
 monitors logged.
 """
 
-import argparse
 import os
 import sys
 
@@ -18,6 +17,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from benchmarks.harness import end_worker, start_worker, worker_arguments  # noqa: E402
 from lightning_mp import GradientRangeMonitor, LossScaleMonitor, MixedPrecisionPlugin  # noqa: E402
 
 
@@ -101,10 +101,8 @@ class Model(L.LightningModule):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = worker_arguments()
     parser.add_argument("--precision", default="bf16", help="fp16, bf16, or none (no plugin)")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--poison-rank", type=int, default=-1)
     parser.add_argument("--poison-step", type=int, default=-1)
@@ -119,9 +117,7 @@ def main():
     parser.add_argument("--adamw", action="store_true", help="AdamW instead of SGD")
     parser.add_argument("--reduce-bf16", action="store_true", help="fully_shard reduces gradients in bf16")
     parser.add_argument("--layer-norm", action="store_true", help="a LayerNorm (an FP32 module) instead of the Tanh")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    L.seed_everything(0, verbose=False)
+    args = start_worker(parser)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(-2, 3, (64, 4), generator=g).float()
     y = torch.randint(-4, 5, (64, 1), generator=g).float()
@@ -162,12 +158,7 @@ def main():
               "shard_dtypes": model.shard_dtypes, "after_fit": {str(p.dtype) for p in model.parameters()}}
     if plugin is not None:
         result.update(scale=plugin.loss_scale, skipped=plugin.skipped_steps, scaler=plugin.core.scaler.state_dict())
-    torch.save(result, os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
-
-    if torch.distributed.is_initialized():
-        # gloo's threads must stop before the interpreter does: left to exit, they sometimes abort the process
-        # ("terminate called without an active exception") after the results are written
-        torch.distributed.destroy_process_group()
+    end_worker(args.out, trainer.global_rank, result)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from tests.test_ddp import exit_abort_after_results
+from benchmarks.harness import clean_env, launch_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "autopilot_worker.py")
 TIMEOUT = 240  # seconds per launch: a collective mismatch on gloo can also hang rather than abort
@@ -28,24 +28,9 @@ pytestmark = [
 ]
 
 
-def _env():
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_", "RANK", "TORCHELASTIC"))}
-    env["PYTHONWARNINGS"] = "ignore"
-    return env
-
-
-def _results(out, world):
-    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
-
-
 def launch(out, *args, devices=2):
     """One command; Lightning launches the other rank."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, WORKER, "--out", str(out), "--devices", str(devices), *map(str, args)]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0 or exit_abort_after_results(proc, out, devices), proc.stderr[-3000:]
-    return _results(out, devices)
+    return launch_ranks(WORKER, out, *args, devices=devices, timeout=TIMEOUT)
 
 
 def _free_port():
@@ -63,7 +48,7 @@ def launch_nodes(out, *args, nodes=2):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={node}",
                "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
                WORKER, "--out", str(out), "--devices", "1", "--num-nodes", str(nodes), *map(str, args)]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        procs.append(subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                       start_new_session=True))  # fmt: skip
     errors = []
     try:
@@ -76,7 +61,7 @@ def launch_nodes(out, *args, nodes=2):
                 proc.wait()
     for proc, err in zip(procs, errors):
         assert proc.returncode == 0 or all((out / f"rank{r}.pt").exists() for r in range(nodes)), err[-3000:]
-    return _results(out, nodes)
+    return [torch.load(out / f"rank{r}.pt") for r in range(nodes)]
 
 
 def same_state(a, b):

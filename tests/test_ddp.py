@@ -1,11 +1,11 @@
 """Two real processes under Lightning's "ddp" strategy (gloo, CPU): overflow agreement and FP32 accumulation."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from benchmarks.harness import launch_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "ddp_worker.py")
 pytestmark = [
@@ -15,23 +15,7 @@ pytestmark = [
 
 
 def launch(out, *args, devices=2):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
-    env["PYTHONWARNINGS"] = "ignore"
-    cmd = [sys.executable, WORKER, "--out", str(out), "--devices", str(devices), *map(str, args)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0 or exit_abort_after_results(proc, out, devices), proc.stderr[-3000:]
-    return [torch.load(out / f"rank{r}.pt") for r in range(devices)]
-
-
-def exit_abort_after_results(proc, out, devices):
-    """gloo (and torch.distributed.checkpoint's threads) now and then abort a process at interpreter exit, after
-    everything it had to do is done and written: SIGABRT with this C++ message and every rank's result on disk.
-    The results are what the tests judge; any other failure still fails."""
-    return (
-        proc.returncode == -6
-        and "terminate called without an active exception" in proc.stderr
-        and all((out / f"rank{r}.pt").exists() for r in range(devices))
-    )
+    return launch_ranks(WORKER, out, *args, devices=devices)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])

@@ -3,13 +3,11 @@ FSDP2 under Lightning's ModelParallelStrategy with every Linear in FP8 (rowwise,
 autopilot's decisions forced by one rank's data only, under DDP and FSDP2."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.test_ddp import exit_abort_after_results
+from benchmarks.harness import launch_ranks
 
 pytest.importorskip("torchao", reason="precision='fp8' needs torchao: pip install 'lightning_mp[fp8]'")
 WORKER = os.path.join(os.path.dirname(__file__), "fp8_worker.py")
@@ -18,13 +16,7 @@ FLUSHED_INPUT = 0  # the column of the autopilot's table: (flushed, -SQNR) for i
 
 
 def launch(out, *args, devices=2):
-    out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
-    env["PYTHONWARNINGS"] = "ignore"
-    cmd = [sys.executable, WORKER, "--out", str(out), "--devices", str(devices), *map(str, args)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0 or exit_abort_after_results(proc, out, devices), proc.stderr[-3000:]
-    return [torch.load(out / f"rank{r}.pt") for r in range(devices)]
+    return launch_ranks(WORKER, out, *args, devices=devices)
 
 
 def same_state(a, b):

@@ -3,8 +3,6 @@
 
 import copy
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,22 +11,19 @@ from torch import nn
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.numerics.lean import DRIFT_WARNING, LeanBf16
 from lightning_mp.numerics.sharding import DTensor, is_sharded
-from tests.test_ddp import exit_abort_after_results
+from benchmarks.harness import launch as launch_script
+from benchmarks.harness import launch_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
 
 def launch(out, *args, devices=2, ok=True):
-    out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
-    env["PYTHONWARNINGS"] = "ignore"
-    cmd = [sys.executable, WORKER, "--out", str(out), "--devices", str(devices), *map(str, args)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    """The worker's ranks' results; ``ok=False``: the finished process, for a run expected to fail."""
     if not ok:
-        return proc
-    assert proc.returncode == 0 or exit_abort_after_results(proc, out, devices), proc.stderr[-3000:]
-    return [torch.load(out / f"rank{r}.pt") for r in range(devices)]
+        out.mkdir(parents=True, exist_ok=True)
+        return launch_script(WORKER, "--out", out, "--devices", devices, *args, timeout=240)
+    return launch_ranks(WORKER, out, *args, devices=devices)
 
 
 

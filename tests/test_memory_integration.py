@@ -1,9 +1,8 @@
 """What a run holds between steps, against Lightning's ``bf16-mixed``: the documented 16-bit copies and nothing more.
-Counted from outside the package, as ``benchmarks/memory_benchmark.py`` counts: every live tensor storage in the
-process, each once."""
+Counted from outside the package with ``benchmarks/memory_benchmark.py``'s count (``benchmarks/harness.py``): every
+live tensor storage in the process, each once."""
 
 import gc
-import warnings
 
 import lightning as L
 import pytest
@@ -13,23 +12,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecisionPlugin
+from benchmarks.harness import live_storage_bytes
 from tests.conftest import trainer_kwargs
 
 pytestmark = pytest.mark.slow
-
-
-def live_storage_bytes() -> int:
-    seen: dict[int, int] = {}
-    with warnings.catch_warnings():  # isinstance() on torch.distributed.reduce_op warns that it is deprecated
-        warnings.simplefilter("ignore", FutureWarning)
-        for obj in gc.get_objects():
-            try:
-                if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
-                    storage = obj.untyped_storage()
-                    seen[storage.data_ptr()] = storage.nbytes()
-            except Exception:  # noqa: BLE001 (objects the collector hands out can be half-built)
-                continue
-    return sum(seen.values())
 
 
 class LoRALinear(nn.Module):

@@ -1,0 +1,119 @@
+"""What the benchmarks and the tests share: counting the live tensor memory of a process, and launching worker
+processes (a benchmark's rows, a test's ranks) with a clean environment, with the worker's side of that protocol
+(its ``--out`` and ``--devices`` arguments, one thread, one seed, a result file per rank).
+
+The benchmarks import it as ``harness`` (their folder is the script's), the tests as ``benchmarks.harness``.
+torch is imported inside the functions: a benchmark's ``--help`` and its parent process stay light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+# a launcher's rank variables: a worker started from inside a torchrun or a Lightning DDP rank would join that group
+LAUNCHER_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_", "RANK", "GROUP_RANK", "TORCHELASTIC")
+
+
+def live_storage_bytes() -> int:
+    """Every live tensor storage in this process, each counted once (found through the garbage collector), in
+    bytes: what a run holds, counted from outside the package. Meta tensors hold nothing."""
+    import torch
+
+    seen: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance() on torch.distributed.reduce_op warns that it is deprecated
+        warnings.simplefilter("ignore", FutureWarning)
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
+                    storage = obj.untyped_storage()
+                    seen[storage.data_ptr()] = storage.nbytes()
+            except Exception:  # noqa: BLE001 (objects the collector hands out can be half-built)
+                continue
+    return sum(seen.values())
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without a launcher's rank variables, warnings off, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARIABLES)}
+    return {**env, "PYTHONWARNINGS": "ignore", **extra}
+
+
+def launch(script: str | Path, *args: Any, env: dict[str, str] | None = None,
+           timeout: float | None = None) -> subprocess.CompletedProcess:
+    """``python script *args`` in a fresh process (:func:`clean_env` unless ``env``), its output captured."""
+    cmd = [sys.executable, str(script), *map(str, args)]
+    return subprocess.run(cmd, env=clean_env() if env is None else env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def worker_row(script: str | Path, *args: Any, timeout: float | None = None) -> dict:
+    """A benchmark's row measured in a fresh process (one row's freed memory cannot hide another's peak): the
+    worker prints its result as JSON on its last line of output."""
+    done = launch(script, *args, timeout=timeout)
+    if done.returncode:
+        raise SystemExit(f"{Path(script).name} {' '.join(map(str, args))} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def launch_ranks(worker: str | Path, out: Path, *args: Any, devices: int = 2, timeout: float = 240,
+                 env: dict[str, str] | None = None) -> list[Any]:
+    """A test's worker run on ``devices`` ranks (``--out OUT --devices N``; Lightning launches the other ranks):
+    each rank's result, ``torch.load``-ed from ``OUT/rank<r>.pt``. A failed run raises with its stderr's end."""
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    proc = launch(worker, "--out", out, "--devices", devices, *args, env=env, timeout=timeout)
+    if proc.returncode != 0 and not exit_abort_after_results(proc, out, devices):
+        raise AssertionError(f"{Path(worker).name} exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return [torch.load(out / f"rank{r}.pt") for r in range(devices)]
+
+
+def exit_abort_after_results(proc: subprocess.CompletedProcess, out: Path, devices: int) -> bool:
+    """gloo (and torch.distributed.checkpoint's threads) now and then abort a process at interpreter exit, after
+    everything it had to do is done and written: SIGABRT with this C++ message and every rank's result on disk.
+    The results are what the tests judge; any other failure still fails."""
+    return (
+        proc.returncode == -6
+        and "terminate called without an active exception" in proc.stderr
+        and all((out / f"rank{r}.pt").exists() for r in range(devices))
+    )
+
+
+def worker_arguments(doc: str | None = None) -> argparse.ArgumentParser:
+    """A test worker's parser with the two arguments :func:`launch_ranks` passes: ``--out`` (the folder each rank
+    writes ``rank<r>.pt`` into, :func:`end_worker`) and ``--devices``."""
+    parser = argparse.ArgumentParser(description=doc)
+    parser.add_argument("--out", required=True, help="each rank writes rank<r>.pt here")
+    parser.add_argument("--devices", type=int, default=2)
+    return parser
+
+
+def start_worker(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The worker's arguments; one torch thread per rank (two ranks share the cores), seed 0 on every rank."""
+    import lightning as L
+    import torch
+
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    return args
+
+
+def end_worker(out: str | Path, rank: int, result: dict) -> None:
+    """One rank's result, where :func:`launch_ranks` reads it; then the process group ends."""
+    import torch
+
+    os.makedirs(out, exist_ok=True)
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # gloo's threads must stop before the interpreter does: left to exit, they sometimes abort the process
+        # ("terminate called without an active exception") after the results are written
+        torch.distributed.destroy_process_group()
