@@ -1,4 +1,5 @@
 import os
+import time
 
 import lightning as L
 import pytest
@@ -8,7 +9,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 os.environ.setdefault("PL_DISABLE_FORK", "1")
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+_NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def cuda(test):
+    """A CUDA-only test: marked `cuda` (so `-m "on_device or cuda"`, the CUDA suite, selects it) and skipped cleanly
+    without a CUDA device."""
+    return pytest.mark.cuda(_NO_CUDA(test))
 
 # The CUDA suite. `pytest --device cuda` (or LIGHTNING_MP_TEST_DEVICE=cuda) runs every test marked `on_device` (the
 # Trainer- and Fabric-level tests that make sense on a GPU) on the first CUDA device, with the same assertions;
@@ -24,6 +31,25 @@ def pytest_addoption(parser):
         default=os.environ.get("LIGHTNING_MP_TEST_DEVICE", "cpu"),
         help="where tests marked on_device run (default: $LIGHTNING_MP_TEST_DEVICE or cpu)",
     )
+    parser.addoption(
+        "--deadline",
+        type=float,
+        default=os.environ.get("LIGHTNING_MP_TEST_DEADLINE") or None,
+        help="a time (seconds since the epoch) after which no test starts: the later ones skip, saying so, and the "
+        "run ends with its counts and its --junitxml file (default: $LIGHTNING_MP_TEST_DEADLINE, or none)",
+    )
+
+
+# The deadline (the GPU check's suite: scripts/gpu_check.sh). A signal cannot stop a run and keep its results: Lightning
+# catches KeyboardInterrupt inside `fit`, ignores SIGINT from then on and exits, so pytest never prints its counts.
+# Instead every test that would start after the deadline skips before its fixtures are set up (tryfirst: a
+# module-scoped fixture's Trainer run is not paid either), and the session ends normally.
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    deadline = item.config.getoption("--deadline")
+    if deadline is not None and time.time() > float(deadline):
+        late = time.time() - float(deadline)
+        pytest.skip(f"--deadline: the run's deadline passed {late:.0f} s before this test would start")
 
 
 @pytest.fixture(autouse=True)
