@@ -41,7 +41,8 @@ def test_overflow_skips_the_step_and_every_later_optimizer_of_the_training_step_
     assert step.step(opt1) is None and step.skipping
     assert step.step(opt2) is None  # finite itself, but the training step is skipped
     assert torch.equal(p1.detach(), torch.ones(3)) and torch.equal(p2.detach(), torch.ones(3))
-    assert p1.grad is None and p2.grad is None  # poisoned gradients dropped
+    # the gradients are left for the loop's zero_grad (as GradScaler leaves them), unscaled
+    assert p1.grad.isinf().all() and torch.equal(p2.grad, torch.ones(3))
     step.end_training_step(step=7)
     assert scaler.scale == 4.0 and scaler.skipped_steps == 1 and scaler.steps == 1
     assert step.skipping  # between steps: the last one was skipped
@@ -334,7 +335,7 @@ def test_on_overflow_runs_only_on_a_skip_while_the_gradients_are_still_there():
     assert seen == []
     p.grad = torch.full((3,), float("nan"))
     assert step.step(opt) is None
-    assert len(seen) == 1 and seen[0][0] is opt and seen[0][1].isnan().all() and p.grad is None
+    assert len(seen) == 1 and seen[0][0] is opt and seen[0][1].isnan().all()
 
 
 def test_a_step_with_cached_layouts_pickles_and_works_after():
@@ -373,3 +374,21 @@ def test_on_cuda_the_step_makes_one_host_sync(scale):
         step.end_training_step()
     flat[5] = float("nan")
     assert step.unscale_(opt) is True
+
+
+def test_a_skip_leaves_the_gradients_to_the_loop_and_kept_ones_skip_again_until_zeroed():
+    """Issue 45: the step calls no ``zero_grad`` of its own (Lightning's loop, or a Fabric loop, zeroes); gradients a
+    loop keeps after a skip hold the inf again at the next check, so they never reach an update."""
+    step = MixedPrecisionStep(LossScaler("dynamic", init_scale=8.0))
+    p, opt = sgd(grad=float("inf"))
+    with mock.patch.object(opt, "zero_grad", wraps=opt.zero_grad) as zero_grad:
+        assert step.step(opt) is None
+        step.end_training_step()
+        p.grad += 4.0  # a loop that never zeroes: the next micro-batch adds to them
+        assert step.step(opt) is None and torch.equal(p.detach(), torch.ones(3))  # skipped again: no update
+        step.end_training_step()
+        assert zero_grad.call_count == 0
+        opt.zero_grad()  # the loop's
+        p.grad = torch.full((3,), 2.0)  # scale 2 after two backoffs: a true gradient of 1
+        step.step(opt)
+    assert torch.equal(p.detach(), torch.zeros(3)) and step.scaler.skipped_steps == 2

@@ -30,17 +30,26 @@ def defer_flags(core: Any) -> None:
     """Let fused optimizers skip on the device (:mod:`lightning_mp.numerics.deferred`), except where a skip must be
     read at once (the autopilot's decisions, the locator's forward checks from the first step). A skip read a step
     late is logged; with the locator on, the host reads every flag from then on, so the next skip is named."""
-    step = core.step
-    step.deferral.enabled = core.autopilot is None and core.locate_overflows != "forward"
+    core.step.deferral.enabled = core.autopilot is None and core.locate_overflows != "forward"
+    core.step.on_late_skip = LateSkip(core)
 
-    def late_skip(number: int | None) -> None:
+
+class LateSkip:
+    """``step.on_late_skip`` of a run (:func:`defer_flags`): the line of a skip read a step late, and the locator armed.
+
+    An object rather than a closure: the plugin holds it for good, and a closure would not pickle (``ddp_spawn``,
+    ``torch.save(trainer)``); its one reference is the run's core, which pickles with the plugin."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+
+    def __call__(self, number: int | None) -> None:
+        core = self.core
         if getattr(core, "_rank_zero", True):
             log.warning(skip_line(number, core.scaler.scale, None, late=core.locator is not None))
         if core.locator is not None:
             core.locator.check_forward = True  # armed, as at a skip read at once
-            step.deferral.enabled = False
-
-    step.on_late_skip = late_skip
+            core.step.deferral.enabled = False
 
 
 def stop_error(err: FloatingPointError, report: OverflowReport) -> FloatingPointError:

@@ -30,6 +30,7 @@ The hooks and their bookkeeping; the end of a step (noted losses, located gradie
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from typing import Any
@@ -49,6 +50,8 @@ _MAX_RECORDS = 200_000
 # Devices whose checks are read at once (no asynchronous queue, so reading costs no sync). Everything else is
 # checked with device-side aminmax and read back only by report(). Tests empty this to run the device path on CPU.
 _EAGER_DEVICE_TYPES = frozenset({"cpu"})
+
+_ORDER_VIEWS = ("_names", "_types", "_modules", "_rank")  # the locator's names for its ModuleOrder's lists
 
 
 class OverflowLocator(_StepReport):
@@ -139,60 +142,70 @@ class OverflowLocator(_StepReport):
         """Qualified names of the watched modules, in ``named_modules()`` order."""
         return list(self._names)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the order's lists are shared, pickled once with it; the tensors seen in this step (weak references) are not
+        return {k: v for k, v in self.__dict__.items() if k not in _ORDER_VIEWS} | {"_known": {}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        order = self._order
+        self._names, self._types, self._modules, self._rank = order.names, order.types, order.modules, order.rank
+
     def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
 
     # ------------------------------------------------------------------ hooks
-    def _pre_hook(self, index: int):
-        def hook(module: nn.Module, args: tuple) -> tuple | None:
-            # inside a torch.compile'd region the hooks step aside (Dynamo would trace the bookkeeping): compiled
-            # modules are located by the eager modules around them and by their parameters' gradients
-            if torch.compiler.is_compiling():
+    # the hooks are partials of methods, not closures: a model pickled with them on (torch.save, ddp_spawn) pickles
+    def _pre_hook(self, index: int) -> Any:
+        return functools.partial(self._forward_pre, index)
+
+    def _post_hook(self, index: int) -> Any:
+        return functools.partial(self._forward_post, index)
+
+    def _forward_pre(self, index: int, module: nn.Module, args: tuple) -> tuple | None:
+        # inside a torch.compile'd region the hooks step aside (Dynamo would trace the bookkeeping): compiled
+        # modules are located by the eager modules around them and by their parameters' gradients
+        if torch.compiler.is_compiling():
+            return None
+        if index not in self._rank:
+            self._rank[index] = len(self._rank)  # forward execution order, for the backward order of gradients
+        if not (torch.is_grad_enabled() and self._recording):
+            return None
+        with _bare():
+            floats = tuple(a for a in args if isinstance(a, Tensor) and a.is_floating_point())
+            # device inputs: their numbers now (mostly reused from the module that produced them); CPU inputs
+            # are only measured if this module turns out to be the culprit
+            stats = [s for a in floats if a.device.type not in _EAGER_DEVICE_TYPES for s in self._device_stats(a)]
+            self._calls.append((index, floats, stats))
+            if not self.input_grads or not any(a.requires_grad for a in floats):
                 return None
-            if index not in self._rank:
-                self._rank[index] = len(self._rank)  # forward execution order, for the backward order of gradients
-            if not (torch.is_grad_enabled() and self._recording):
-                return None
-            with _bare():
-                floats = tuple(a for a in args if isinstance(a, Tensor) and a.is_floating_point())
-                # device inputs: their numbers now (mostly reused from the module that produced them); CPU inputs
-                # are only measured if this module turns out to be the culprit
-                stats = [s for a in floats if a.device.type not in _EAGER_DEVICE_TYPES for s in self._device_stats(a)]
-                self._calls.append((index, floats, stats))
-                if not self.input_grads or not any(a.requires_grad for a in floats):
-                    return None
-                views: dict[int, Tensor] = {}
-                new_args = []
-                for a in args:
-                    if isinstance(a, Tensor) and a.is_floating_point() and a.requires_grad:
-                        if id(a) not in views:
-                            # a view of its own, so the hook sees only the gradient this module's backward makes
-                            view = views[id(a)] = a.view_as(a)
-                            view.register_hook(self._grad_hook(index, "input gradient"))
-                            entry = self._known.get(id(a))
-                            if entry is not None:
-                                self._known[id(view)] = (weakref.ref(view), view._version, entry[2])
-                        a = views[id(a)]
-                    new_args.append(a)
-            return tuple(new_args)
+            views: dict[int, Tensor] = {}
+            new_args = []
+            for a in args:
+                if isinstance(a, Tensor) and a.is_floating_point() and a.requires_grad:
+                    if id(a) not in views:
+                        # a view of its own, so the hook sees only the gradient this module's backward makes
+                        view = views[id(a)] = a.view_as(a)
+                        view.register_hook(self._grad_hook(index, "input gradient"))
+                        entry = self._known.get(id(a))
+                        if entry is not None:
+                            self._known[id(view)] = (weakref.ref(view), view._version, entry[2])
+                    a = views[id(a)]
+                new_args.append(a)
+        return tuple(new_args)
 
-        return hook
-
-    def _post_hook(self, index: int):
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if torch.compiler.is_compiling() or not self._calls or self._calls[-1][0] != index:
-                return  # no matching pre-hook: grad disabled, not recording, or the forward raised in a child
-            _, inputs, input_stats = self._calls.pop()
-            self._outputs_checked = True
-            with _bare():
-                checked = [self._check_output(index, t, inputs, input_stats) for t in _tensors(output)]
-            if input_stats and not any(checked) and self._room():
-                # nothing new to check, but its inputs' numbers may be needed to tell where an overflow came from
-                self._records.append((self._next_seq(), index, 0, "output", [], input_stats))
-
-        return hook
+    def _forward_post(self, index: int, module: nn.Module, args: tuple, output: Any) -> None:
+        if torch.compiler.is_compiling() or not self._calls or self._calls[-1][0] != index:
+            return  # no matching pre-hook: grad disabled, not recording, or the forward raised in a child
+        _, inputs, input_stats = self._calls.pop()
+        self._outputs_checked = True
+        with _bare():
+            checked = [self._check_output(index, t, inputs, input_stats) for t in _tensors(output)]
+        if input_stats and not any(checked) and self._room():
+            # nothing new to check, but its inputs' numbers may be needed to tell where an overflow came from
+            self._records.append((self._next_seq(), index, 0, "output", [], input_stats))
 
     def _grad_hook(self, index: int, tensor: str):
         def hook(grad: Tensor) -> None:

@@ -30,6 +30,14 @@ class ModuleOrder:
             for pname, _ in module.named_parameters(recurse=False):
                 self.params.setdefault(f"{name}.{pname}" if name else pname, (index, pname, len(self.params)))
 
+    def __getstate__(self) -> dict:
+        # the modules by reference: they are ``_model``'s submodules, pickled with it (pickle stores each object once)
+        return {**self.__dict__, "modules": [ref() for ref in self.modules]}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.modules[:] = [weakref.ref(m) if m is not None else _gone for m in self.modules]
+
     def forward_key(self, index: int) -> tuple[int, int]:
         """Where module ``index`` ran in the forward: its execution position once the forward hooks have seen a
         forward (modules they never saw first), else its registration position (see the module docstring)."""
@@ -55,3 +63,7 @@ class ModuleOrder:
             return type(self._model.get_submodule(name.rpartition(".")[0])).__name__
         except AttributeError:
             return "?"
+
+
+def _gone() -> None:  # a module collected before the pickle, as its dead weak reference answers
+    return None

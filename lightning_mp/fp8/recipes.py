@@ -22,8 +22,10 @@ are the recipe's and the speed is an FP32 GEMM's plus the casts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -101,11 +103,12 @@ def fp8_matmul(recipe: str, emulate: bool) -> Matmul:
     gemms = (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)
     # what Float8Linear builds for its three GEMMs: (emulate, fast accumulation, FP8 output: no, pad inner dim)
     mm_config = LinearMMConfig(*(ScaledMMConfig(emulate, g.use_fast_accum, False, config.pad_inner_dim) for g in gemms))
+    # partials of module-level functions, not closures: the plugin keeps them and pickles (torch.save(trainer))
+    return functools.partial(_float8_matmul, matmul_with_hp_or_float8_args, mm_config, config)
 
-    def matmul(x: Tensor, weight: Tensor) -> Tensor:
-        return matmul_with_hp_or_float8_args.apply(x, weight.t(), mm_config, config)
 
-    return matmul
+def _float8_matmul(function: Any, mm_config: Any, config: Any, x: Tensor, weight: Tensor) -> Tensor:
+    return function.apply(x, weight.t(), mm_config, config)
 
 
 def _mx_imports() -> tuple:
@@ -126,15 +129,15 @@ def _mx_imports() -> tuple:
 def _mx_matmul(emulate: bool) -> Matmul:
     _to_mxfp8_then_scaled_mm, ScaleCalculationMode, KernelPreference = _mx_imports()
     preference = KernelPreference.EMULATED if emulate else KernelPreference.AUTO
+    return functools.partial(_mx_mm, _to_mxfp8_then_scaled_mm, preference, ScaleCalculationMode.RCEIL)
 
-    def matmul(x: Tensor, weight: Tensor) -> Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows % 32:  # the weight gradient's GEMM scales blocks of 32 rows (tokens)
-            raise ValueError(
-                f"fp8_recipe='mxfp8' needs the rows of every FP8 Linear's input (batch x sequence) to be a multiple "
-                f"of 32; this one has {rows} (input shape {tuple(x.shape)}). HINT: a batch size or sequence length "
-                "that makes it one, or fp8_recipe='rowwise'."
-            )
-        return _to_mxfp8_then_scaled_mm(x, weight, preference, ScaleCalculationMode.RCEIL)
 
-    return matmul
+def _mx_mm(mm: Callable, preference: Any, rounding: Any, x: Tensor, weight: Tensor) -> Tensor:
+    rows = x.numel() // x.shape[-1]
+    if rows % 32:  # the weight gradient's GEMM scales blocks of 32 rows (tokens)
+        raise ValueError(
+            f"fp8_recipe='mxfp8' needs the rows of every FP8 Linear's input (batch x sequence) to be a multiple "
+            f"of 32; this one has {rows} (input shape {tuple(x.shape)}). HINT: a batch size or sequence length "
+            "that makes it one, or fp8_recipe='rowwise'."
+        )
+    return mm(x, weight, preference, rounding)

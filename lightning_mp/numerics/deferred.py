@@ -10,7 +10,7 @@ clean step reads nothing on the host:
 
 * the flag stays on the device (under DDP the ranks still agree on it: an all-reduce, no read);
 * the optimizer skips on the device, bit for bit what a skipped step leaves on the host path (parameters and state
-  untouched), except that the skipped step's gradients stay in ``.grad`` until the loop's ``zero_grad``;
+  untouched, the skipped step's gradients in ``.grad`` until the loop's ``zero_grad``);
 * the next step's loss scale is picked on the device (``torch.where`` between the two values the host's state machine
   would move to, :meth:`~lightning_mp.numerics.loss_scaler.LossScaler.branches`): the same scale at every step;
 * the flag is copied to the host without blocking (pinned memory and an event on CUDA; on the CPU the flag is a host

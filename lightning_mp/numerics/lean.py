@@ -27,6 +27,7 @@ measure what the rounding of the moments costs. Past :data:`DRIFT_WARNING` a war
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -96,9 +97,10 @@ class LeanBf16:
         if sharded:
             self._sharded = module
             reload_shards(module)
-        # closures, not bound methods: torch marks its public-API hooks with an attribute
-        self._handles.append(module.register_state_dict_post_hook(lambda *args: self._save_masters(*args)))
-        self._handles.append(module.register_load_state_dict_pre_hook(lambda *args: self._load_masters(*args)))
+        # partials, not bound methods (torch marks its public-API hooks with an attribute), nor closures (a model
+        # pickled with them on: torch.save, a Fabric loop's plugin)
+        self._handles.append(module.register_state_dict_post_hook(functools.partial(LeanBf16._save_masters, self)))
+        self._handles.append(module.register_load_state_dict_pre_hook(functools.partial(LeanBf16._load_masters, self)))
 
     def watch(self, optimizers: Sequence[Optimizer]) -> None:
         """Keep these optimizers' FP32 state FP32 through ``load_state_dict`` (torch casts it to the bf16 params), and
@@ -107,12 +109,11 @@ class LeanBf16:
         if self.state_dtype != torch.float32:
             return
         for optimizer in optimizers:
-            self._handles.append(optimizer.register_state_dict_post_hook(lambda opt, state_dict: _upcast(state_dict)))
+            self._handles.append(optimizer.register_state_dict_post_hook(_upcast))
             stash: dict = {}  # ours, not an attribute on the user's optimizer
-            self._handles.append(optimizer.register_load_state_dict_pre_hook(
-                lambda opt, state_dict, stash=stash: _stash_fp32_state(stash, state_dict)))
-            self._handles.append(optimizer.register_load_state_dict_post_hook(
-                lambda opt, stash=stash: _restore_fp32_state(stash, opt)))
+            stashing, restoring = functools.partial(_stash_fp32_state, stash), functools.partial(_restore_fp32_state, stash)
+            self._handles.append(optimizer.register_load_state_dict_pre_hook(stashing))
+            self._handles.append(optimizer.register_load_state_dict_post_hook(restoring))
 
     def remove(self) -> None:
         """Hooks off; the Parameters hold their FP32 masters again (a fit returns the FP32 model it trained)."""
@@ -256,7 +257,7 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _upcast(state_dict: dict) -> dict:
+def _upcast(optimizer: Optimizer, state_dict: dict) -> dict:
     """``state_dict`` with its bf16 state tensors as FP32 copies (new entries: torch's hold the live state)."""
     if "state" in state_dict:
         state_dict["state"] = {
@@ -267,7 +268,7 @@ def _upcast(state_dict: dict) -> dict:
     return state_dict
 
 
-def _stash_fp32_state(stash: dict, state_dict: dict) -> None:
+def _stash_fp32_state(stash: dict, optimizer: Optimizer, state_dict: dict) -> None:
     """The FP32 state tensors by the position of their parameter, as torch pairs them: the state dict's param groups
     in order (ids from ``Optimizer.state_dict``, names from ``torch.distributed.checkpoint``) with the optimizer's."""
     stash.clear()

@@ -53,7 +53,7 @@ class MixedPrecisionStep:
             DDP already averaged them). Every rank passes the same list: a parameter without a gradient gets a
             zero buffer of its own, allocated once and zeroed on each reuse.
         on_overflow: ``on_overflow(optimizer)`` when this optimizer's gradients hold an inf/NaN, after the flag was
-            read on the host and before the step drops them (the overflow locator reads them there).
+            read on the host, before the optimizer would step (the overflow locator reads them there).
         on_late_skip: ``on_late_skip(step)`` when a flag read a step late says that step was skipped (its log line).
     """
 
@@ -132,7 +132,7 @@ class MixedPrecisionStep:
             else:
                 found = bool(flag.item())  # host sync: the one skip-or-step needs
                 if found and self.on_overflow is not None:
-                    self.on_overflow(optimizer)  # only on a skip: the locator reads the gradients before they go
+                    self.on_overflow(optimizer)  # only on a skip: the locator reads the gradients there
                 if self._late is not None and not found:
                     self._read_late()  # an earlier optimizer's flag stayed on the device: this one steps only if clean
         self._found[key] = found
@@ -160,11 +160,10 @@ class MixedPrecisionStep:
         self._found.pop(id(optimizer), None)
 
     def step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        """Skip (``None``: the optimizer and its state do not move) or apply this optimizer's step; with the flag on
-        the device the optimizer is called and skips there."""
+        """Skip (``None``: the optimizer and its state do not move; the gradients stay for the loop's ``zero_grad``)
+        or apply this optimizer's step; with the flag on the device the optimizer is called and skips there."""
         self.check_(optimizer)
         if self._found_inf:
-            optimizer.zero_grad(set_to_none=True)  # the poisoned gradients are dropped
             return None
         if not isinstance(self._found[id(optimizer)], Tensor):
             output = self.apply(optimizer, **kwargs)
@@ -258,10 +257,11 @@ class MixedPrecisionStep:
             buf.zero_()  # the optimizer or the user may have written it since
         return buf
 
-    def __getstate__(self) -> dict[str, Any]:  # spawned processes: the caches (weak references, tensors) are not sent
+    def __getstate__(self) -> dict[str, Any]:  # ddp_spawn, torch.save(trainer): no caches (weak references, tensors),
+        # nor the locator's hook (a fit's, set up again by the next connect)
         self.settle()
         state = dict(self.__dict__)
-        state["_layouts"], state["_zero_grads"], state["_last"] = None, None, (0, None)
+        state["_layouts"], state["_zero_grads"], state["_last"], state["on_overflow"] = None, None, (0, None), None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
