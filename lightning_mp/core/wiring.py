@@ -66,8 +66,7 @@ class FitWiring:
         verdict = "\n".join(filter(None, (verdict, fp8)))
         self._handles.extend((self.gemm, self.fp8))  # emulated GEMMs' kernels, FP8 Linears' forwards: until teardown
         refuse_lbfgs(optimizers, self.scaler.dynamic, self.lean is not None)
-        if self.masters is not None:
-            self._handles.extend(average_fp32_grads_per_step(model, self.step))
+        self.data_parallel(model)
         self.guard_schedulers(schedulers)
         if self.lean is not None:
             self.lean.watch(optimizers)
@@ -87,6 +86,13 @@ class FitWiring:
             self.step.on_overflow = lambda optimizer: locator.locate_gradients(self.named_grads(optimizer))
             self._handles.append(locator)
         return verdict
+
+    def data_parallel(self, model: nn.Module) -> None:
+        """With master weights, a DDP wrapper's own gradient sync goes off and the step averages the FP32 gradients
+        once (:func:`~lightning_mp.numerics.distributed.average_fp32_grads_per_step`); anything else: nothing. From
+        ``connect``, or later where the wrapper is made after it (Fabric wraps after ``convert_module``)."""
+        if self.masters is not None:
+            self._handles.extend(average_fp32_grads_per_step(model, self.step))
 
     def guard_schedulers(self, schedulers: Sequence[Any]) -> None:
         """With ``skip_scheduler_on_overflow``, these schedulers do not advance right after a skipped step."""

@@ -13,7 +13,7 @@ Where each piece runs in one iteration of a Fabric loop::
     fabric.backward(loss)     loss * scale, the backward (kernels again: checkpoint recomputation follows them),
                               post_backward: the copies' 16-bit grads folded into FP32 .grad     (core.fold)
     fabric.clip_gradients     unscale + inf/NaN check, one host sync; clipping sees the true FP32 gradients
-    optimizer.step()          skip or step (fused: on the device), one scale update (core.end_training_step)
+    optimizer.step()          (DDP: FP32 gradients averaged) skip or step, one scale update (core.end_training_step)
 
 The model's Parameters hold their FP32 masters at every moment, so the optimizer (and its state),
 ``model.state_dict()``, ``fabric.save``/``fabric.load`` (also right after a forward whose loss is never
@@ -24,6 +24,8 @@ discriminator on real and fake data) share their copies. A graph built before an
 back-propagated after it (the generator's ``fake = G(z)`` across the discriminator's step) keeps the copies it was
 built with: the refresh puts the new values in other tensors (:mod:`lightning_mp.numerics.copies`), as Fabric's own
 mixed precision casts fresh ones at every forward.
+
+Several ranks (DDP, FSDP2): the set-up waits for what the strategy made of the model (:mod:`.first_call`).
 
 Fabric has no ``connect`` and no end of fit: the one-time set-up that needs the device runs on the first forward,
 and the FP32 policy's and the emulated GEMMs' kernels are registered from each forward to the end of its backward
@@ -40,16 +42,17 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import Precision as FabricPrecision
-from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp.core import CoreViews, MixedPrecisionCore
+from lightning_mp.core.skips import refuse_lbfgs
+from lightning_mp.fabric.first_call import FirstForward
 from lightning_mp.formats import upcast
 from lightning_mp.numerics.checkpoint_compat import is_gradscaler_state, take_gradscaler_state
-from lightning_mp.numerics.distributed import world_size
+from lightning_mp.numerics.sharding import fsdp_mp_policy
 
 
 class MixedPrecisionPlugin(CoreViews, FabricPrecision):
@@ -63,22 +66,24 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
     * The scale moves once per ``optimizer.step()`` (Fabric has no training step around several optimizers, so a
       loop with two optimizers moves it twice per iteration, as Fabric's own ``MixedPrecision`` does), and
       :attr:`training_steps` counts those calls, skipped ones included.
-    * ``fabric.clip_gradients`` on a step that will be skipped clips nothing and returns a norm of 0 (the
-      gradients hold inf/NaN; ``clip_grad_norm_`` would raise with Fabric's default ``error_if_nonfinite=True``).
+    * ``fabric.clip_gradients`` on a step that will be skipped clips nothing and returns a norm of 0.
     * ``skip_scheduler_on_overflow`` applies to the schedulers passed to :meth:`guard_schedulers` (a Fabric
       scheduler is stepped by the loop, and the plugin never sees it otherwise).
     * The plugin's state is saved only when the loop puts it in the checkpoint:
       ``fabric.save(path, {"model": model, "optimizer": opt, "precision": plugin})`` and the same dict for
       ``fabric.load``. A checkpoint of Fabric's own ``MixedPrecision("16-mixed")`` (its GradScaler state) is taken
       over too.
-    * ``optimizer.step(closure=...)`` (LBFGS, SAM) is not supported.
+    * ``optimizer.step(closure)`` (LBFGS, SAM): the closure is evaluated first and decides skip-or-step; the
+      optimizer's later calls evaluate it again, each unscaled and checked (a non-finite one raises: the parameters
+      have moved). LBFGS with a dynamic scale is refused, as by the Trainer plugin.
     * Floating inputs are cast to the 16-bit format (``convert_input``), as Fabric's own ``MixedPrecision`` does.
-    * One process only with master weights: several ranks are refused at the first forward (Fabric's DDP would
-      average each micro-batch's 16-bit gradients, not the FP32 ones once per step).
+    * Several ranks: ``"ddp"``, ``"ddp_spawn"`` (FP32 gradients averaged once per step, none inside
+      ``fabric.no_backward_sync``) and ``ModelParallelStrategy`` with ``fully_shard`` (pass
+      ``mp_policy=plugin.fsdp_mp_policy()``); Fabric's ``FSDPStrategy`` (FSDP1) takes only its own precision.
     """
 
     def _set_up_front_end(self) -> None:
-        self._pending: list[nn.Module] = []  # converted modules whose device set-up waits for the first forward
+        self._first_forward = FirstForward(self.core)  # the set-up at the first forward (several ranks: conversion)
         self._listeners: list[Any] = []  # PrecisionMonitor objects, told about every optimizer step
         self._force_refresh = True  # the next forward refreshes every trainable copy (set by optimizer steps)
         self._kernels: list[Any] = []  # the FP32 policy's hold from a forward to the end of its backward
@@ -89,26 +94,15 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
     def __repr__(self) -> str:  # Lightning's "invalid plugin" error names it: say it is the Fabric one
         return f"lightning_mp.fabric.MixedPrecisionPlugin({self.core.format.name!r})"
 
+    def fsdp_mp_policy(self):
+        """The FSDP2 ``MixedPrecisionPolicy`` for this format (compute in it, reduce gradients in FP32): pass it to
+        every ``fully_shard(..., mp_policy=plugin.fsdp_mp_policy())`` in ``ModelParallelStrategy``'s parallelize_fn."""
+        return fsdp_mp_policy(self.core.format.dtype)
+
     # ------------------------------------------------------------------ set-up
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        self._pending.append(module)  # several fabric.setup() calls (a GAN's two models) share one store
-        return self.core.convert(module)
-
-    def _set_up_pending(self) -> None:
-        if not self._pending:
-            return
-        modules, self._pending = self._pending, []
-        if self.core.masters is not None and world_size() > 1:
-            raise NotImplementedError(
-                f"lightning_mp.fabric.MixedPrecisionPlugin(precision={self.core.format.name!r}) with master weights "
-                f"runs in one process; this one has {world_size()} ranks. HINT: pass master_weights=False (autocast "
-                "with the same loss scaling and skipping, the flag agreed across ranks), or use the Trainer plugin "
-                "with strategy='ddp'."
-            )
-        root = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
-        if self.core.connect(root, root, [], [], hold_kernels=False) and self.core.fp8.enabled:
-            rank_zero_info(self.core.fp8.describe())  # which Linears compute in FP8, and emulated or not
+        return self._first_forward.convert(module)
 
     def guard_schedulers(self, *schedulers: Any) -> None:
         """Make ``scheduler.step()`` a no-op right after a skipped ``optimizer.step()``, for the learning-rate
@@ -119,8 +113,8 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
     @override
     def teardown(self) -> None:
         _release(self._kernels, self.core.gemm)
+        self._first_forward.remove()
         self.core.teardown()
-        self._pending.clear()
 
     def _hold_kernels(self) -> bool:
         """The FP32 policy's and the emulated GEMMs' kernels from a forward to the end of its backward: one registration
@@ -138,7 +132,7 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
 
     @contextlib.contextmanager
     def _forward_context(self) -> Generator[None, None, None]:
-        self._set_up_pending()
+        self._first_forward.set_up()
         self.core.begin(force=self._force_refresh)
         self._force_refresh = False
         registered = self._hold_kernels()
@@ -202,16 +196,20 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        if kwargs.get("closure") is not None:
-            raise ValueError(
-                f"optimizer.step(closure={kwargs['closure']!r}): closures are not supported by "
-                "lightning_mp.fabric.MixedPrecisionPlugin (the gradients must be unscaled and checked before the "
-                "optimizer reads them, and a closure computes them inside step()). HINT: use an optimizer without a "
-                "closure, or the Trainer plugin, which passes closures on (LBFGS with bf16 or a static loss_scale)."
-            )
+        closure = kwargs.pop("closure", None)
+        if closure is not None:
+            # as the Trainer plugin: the closure (forward, fabric.backward) is evaluated first, so the gradients are
+            # unscaled and checked, and the step skipped, before the optimizer reads them
+            refuse_lbfgs([optimizer], self.core.scaler.dynamic, self.core.lean is not None)
+            first = closure()
         self.core.unscale_(optimizer)
         for listener in self._listeners:
             listener.before_optimizer_step(optimizer)  # true FP32 gradients, also on a step about to be skipped
+        if closure is not None:
+            # its first call returns that evaluation; a later one (LBFGS's line search, SAM's second point) runs the
+            # closure again at the step's scale, unscaled and checked: non-finite raises (the parameters moved)
+            after = lambda: None  # noqa: E731 (what runs after a re-evaluation: the Trainer's hooks, none here)
+            kwargs["closure"] = self.core.replay_closure(optimizer, first, closure, after, self.core.step.steps)
         output = self.core.optimizer_step(optimizer, **kwargs)
         self._force_refresh = True
         _release(self._kernels, self.core.gemm)  # a forward whose loss was not back-propagated held them
