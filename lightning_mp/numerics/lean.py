@@ -111,7 +111,7 @@ class LeanBf16:
         for optimizer in optimizers:
             self._handles.append(optimizer.register_state_dict_post_hook(_upcast))
             stash: dict = {}  # ours, not an attribute on the user's optimizer
-            stashing, restoring = functools.partial(_stash_fp32_state, stash), functools.partial(_restore_fp32_state, stash)
+            stashing, restoring = (functools.partial(f, stash) for f in (_stash_fp32_state, _restore_fp32_state))
             self._handles.append(optimizer.register_load_state_dict_pre_hook(stashing))
             self._handles.append(optimizer.register_load_state_dict_post_hook(restoring))
 
