@@ -77,3 +77,19 @@ def test_a_module_without_a_floating_input_can_start_one():
 def test_encloses():
     assert _encloses("<model>", "a") and _encloses("a", "a.b") and not _encloses("a", "ab")
     assert not _encloses("a", "a") and not _encloses("a.b", "a")
+
+
+def test_a_recorder_on_a_model_compiled_with_fullgraph_steps_aside_and_the_eager_modules_are_measured():
+    # armed before the first compile (an ActivationRangeMonitor sampling step 0 of a compiled model), its hooks were
+    # traced and fullgraph=True raised ("Could not guard on data-dependent expression")
+    import torch._dynamo as dynamo
+
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    model = nn.Sequential(nn.Linear(8, 8), inner)
+    recorder = ActivationRecorder(model, Sample(step=0))
+    dynamo.reset()
+    model[1] = torch.compile(inner, fullgraph=True, backend="eager")
+    model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    recorder.remove()
+    assert "0" in recorder.sample.modules and not any(name.startswith("1.") for name in recorder.sample.modules)

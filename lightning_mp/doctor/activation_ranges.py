@@ -118,7 +118,10 @@ class ActivationRecorder:
         self._known.clear()
 
     def _pre_hook(self, module: nn.Module, args: tuple) -> None:
-        if not torch.is_grad_enabled():
+        # inside a torch.compile'd region the hooks step aside, as the locator's do: Dynamo would trace the
+        # bookkeeping (fullgraph=True refused it: "Could not guard on data-dependent expression"); compiled modules
+        # are not measured
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
         with torch.no_grad(), torch._C.DisableTorchFunction():
             amaxes = [self._amax_of(a) for a in args if isinstance(a, Tensor) and a.is_floating_point()]
@@ -128,7 +131,7 @@ class ActivationRecorder:
     def _post_hook(self, name: str):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             sample = self.sample
-            if not torch.is_grad_enabled() or not self._pending_inputs:
+            if not torch.is_grad_enabled() or not self._pending_inputs or torch.compiler.is_compiling():
                 return
             input_amax = self._pending_inputs.pop()
             with torch.no_grad(), torch._C.DisableTorchFunction():

@@ -57,16 +57,24 @@ def _fsdp_groups(module: nn.Module) -> list[tuple[str, object]]:
     """(module name, FSDP2 parameter group) for each group under ``module``, checked for the internals used here."""
     from torch.distributed.fsdp import FSDPModule
 
+    lacks = RuntimeError(f"torch {torch.__version__}'s fully_shard lacks the internals master_weights='compensated' "
+                         "uses to change the shards' dtype. HINT: master_weights=None under FSDP2.")
     found: dict[int, tuple[str, object]] = {}
     for name, m in module.named_modules():
         if isinstance(m, FSDPModule):
-            for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", ()):
+            state = m._get_fsdp_state()
+            if hasattr(state, "_fsdp_param_groups"):  # torch 2.13: a list (fully_shard of several modules at once)
+                groups = state._fsdp_param_groups
+            elif hasattr(state, "_fsdp_param_group"):  # torch 2.11: one group or None
+                groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+            else:  # finding no group would skip the dtype check and the reload silently
+                raise lacks
+            for group in groups:
                 found.setdefault(id(group), (name or "the root", group))
     for _, group in found.values():
         if not (hasattr(group, "_init_mp_dtypes") and hasattr(group, "mp_policy")
                 and all(hasattr(fp, "reset_sharded_param") for fp in group.fsdp_params)):
-            raise RuntimeError(f"torch {torch.__version__}'s fully_shard lacks the internals master_weights="
-                               "'compensated' uses to change the shards' dtype. HINT: master_weights=None under FSDP2.")
+            raise lacks
     return list(found.values())
 
 

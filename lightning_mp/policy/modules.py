@@ -1,15 +1,21 @@
-"""Module hooks that run a listed module's forward in FP32 (its parameters are kept FP32 by the masters).
+"""The forward that runs a listed module in FP32 (its parameters are kept FP32 by the masters).
 
-Forward hooks, so a module's ``forward`` is never replaced and ``remove()`` restores it exactly. The pre-hook
-upcasts the inputs and switches autocast off for the module's device type (or, where the subtree holds 16-bit
-parameters, makes FP32 its low-precision dtype), so the whole subtree (children included) computes in FP32; the
-post-hook switches it back. Both are plain tensor ops and autocast setters that Dynamo traces into the graph, so
-``torch.compile(fullgraph=True)`` compiles a model with listed modules into as many graphs as without them.
+A listed module gets an instance ``forward`` (:class:`Fp32Forward`, in the module's ``__dict__``, where Fabric's
+marked methods and accelerate's hooks put theirs): it upcasts the module's 16-bit inputs and calls the class's
+``forward`` with autocast off for the module's device type (or, where the subtree holds 16-bit parameters, with FP32
+as autocast's low-precision dtype), so the whole subtree (children included) computes in FP32. The class is never
+touched, and ``remove()`` takes the instance ``forward`` out again.
+
+A forward of our own, not a pre-hook and a forward hook, because ``torch.compile`` must trace the switch: Dynamo in
+torch 2.11 traces no autocast setter (``torch.set_autocast_enabled`` is "marked as skipped"), only a
+``with torch.autocast(...)`` block, and a block cannot open in one hook and close in another. Compiled, the block is
+two nodes of the graph (``_enter_autocast``/``_exit_autocast``), and ``fullgraph=True`` compiles a model with listed
+modules into as many graphs as without them. Eager, the block would cost ~20 us a call (``torch.autocast``'s
+constructor checks the device and the dtype); the two setters cost ~1.5 us, so eager code calls those.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -20,27 +26,6 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 
 from lightning_mp.formats import HALF_DTYPES
 from lightning_mp.policy.mode import _native_mixed_batch_norm
-
-# --------------------------------------------------------------------------------------
-# Module hooks.
-# --------------------------------------------------------------------------------------
-
-class _Frames(threading.local):
-    """Per-thread stack of (module, device_type, autocast was enabled, autocast dtype before if it was set to
-    FP32 instead) for FP32 forwards in progress. Autocast
-    state is thread-local, so the bookkeeping is too; kept at module level (not on the hook object) so that
-    installed models stay deep-copyable/picklable. The list exists from a thread's first access on (``__init__``
-    runs per thread): a lazily created one would make Dynamo recompile once it appears."""
-
-    def __init__(self) -> None:
-        self.stack: list[tuple[nn.Module, str, bool, torch.dtype | None]] = []
-
-
-_FORWARD_FRAMES = _Frames()
-
-
-def _frames() -> list[tuple[nn.Module, str, bool, torch.dtype | None]]:
-    return _FORWARD_FRAMES.stack
 
 
 def _upcast_tree(obj: Any) -> Any:
@@ -75,26 +60,48 @@ def _holds_16_bit(module: nn.Module) -> bool:
     return False
 
 
-class Fp32ForwardHooks:
-    """Forward pre-hook + always-called forward hook that run a module's forward in FP32.
+class Fp32Forward:
+    """A listed module's ``forward`` in FP32, set on the instance by :meth:`Fp32Forwards.attach`.
 
-    The pre-hook upcasts 16-bit floating inputs (args and kwargs, nested, e.g.
-    LSTM's ``(h, c)``) and switches autocast off for ``device_type`` (see ``pre`` for
-    subtrees with 16-bit parameters); the post-hook is registered with
-    ``always_call=True`` so it restores autocast even when forward raises. (A
-    BaseException such as KeyboardInterrupt skips it, but the enclosing
-    ``torch.autocast`` block restores its state on exit anyway.) Cost per call: two
-    Python hook calls (a few microseconds) plus the input upcast copies.
+    Upcasts 16-bit floating inputs (args and kwargs, nested, e.g. LSTM's ``(h, c)``) and runs the forward it
+    stands in front of (the class's, or an instance ``forward`` that was there before) with autocast off for
+    ``device_type``; autocast comes back on every way out, an exception included. Pre-hooks run before it and forward
+    hooks after it, as around any ``forward``, and see the arguments as the caller gave them. Cost per call: a Python
+    call, two autocast setters and the input upcast copies; ``nn.Module.__call__`` keeps its fast path (no hooks).
 
-    BatchNorm layers (``_BatchNorm``: BatchNorm1d/2d/3d, SyncBatchNorm, the lazy ones) whose parameters and
-    running statistics are FP32 take a 16-bit input as it is, on devices whose kernels run batch norm in
-    mixed dtype (see ``_native_mixed_batch_norm``): statistics in FP32 inside, 16-bit output, and no FP32
-    copy of the activation for autograd to keep."""
+    BatchNorm layers (``_BatchNorm``: BatchNorm1d/2d/3d, SyncBatchNorm, the lazy ones) whose parameters and running
+    statistics are FP32 take a 16-bit input as it is, on devices whose kernels run batch norm in mixed dtype (see
+    ``_native_mixed_batch_norm``): statistics in FP32 inside, 16-bit output, and no FP32 copy of the activation
+    for autograd to keep.
 
-    def __init__(self, device_type: str) -> None:
+    It holds its module: ``copy.deepcopy`` and pickling of the model give the copy a forward of its own that runs the
+    copy in FP32; ``remove()`` affects the original only."""
+
+    def __init__(self, module: nn.Module, device_type: str, inner: Callable[..., Any] | None) -> None:
+        self.module = module
         self.device_type = device_type
+        self.inner = inner  # the instance forward found there (Fabric's, accelerate's); None: the class's
+        self.active = True
 
-    def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def remove(self) -> None:
+        """Take this forward out (idempotent). Where something has since put its own forward in front of this one
+        and calls it, this one passes calls through from then on."""
+        self.active = False
+        if self.module.__dict__.get("forward") is self:
+            if self.inner is None:
+                del self.module.__dict__["forward"]
+            else:
+                self.module.__dict__["forward"] = self.inner
+
+    def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module, device_type = self.module, self.device_type
+        if not self.active:
+            return self._forward(args, kwargs)
         if not (
             isinstance(module, _BatchNorm)
             and args
@@ -102,55 +109,60 @@ class Fp32ForwardHooks:
         ):
             args = _upcast_tree(args)
             kwargs = _upcast_tree(kwargs)
-        # FP32 through the whole subtree: autocast off for it (its ops then see the FP32 inputs and parameters;
-        # nothing at the autocast keys runs). A subtree that holds a 16-bit parameter or buffer (a part loaded in
-        # bf16, no master weights) would then raise on mixed dtypes in its matmuls and norms: there autocast stays
-        # on with FP32 as its low-precision dtype, so those cast their 16-bit arguments up (and the policy's
-        # kernels, if active, upcast the listed ops). Dynamo traces the autocast calls into the graph and guards
-        # on the parameter dtypes; install() checked that autocast knows device_type.
-        enabled = torch.is_autocast_enabled(self.device_type)
-        previous = torch.get_autocast_dtype(self.device_type) if enabled and _holds_16_bit(module) else None
-        _frames().append((module, self.device_type, enabled, previous))
-        if previous is not None:
-            torch.set_autocast_dtype(self.device_type, torch.float32)
-        elif enabled:
-            torch.set_autocast_enabled(self.device_type, False)
-        return args, kwargs
-
-    def attach(self, module: nn.Module) -> list[Any]:
-        """Hook ``module``: the pre-hook appended (runs right before forward), the post-hook prepended (runs right
-        after it), so the FP32 region is as tight as hooks allow. Returns the two handles."""
-        return [
-            module.register_forward_pre_hook(self.pre, with_kwargs=True),
-            module.register_forward_hook(self.post, prepend=True, always_call=True),
-        ]
-
-    def post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        frames = _frames()
-        # Only undo a frame this module pushed: if our own pre-hook never ran (an
-        # earlier pre-hook raised), there is nothing to restore.
-        if frames and frames[-1][0] is module:
-            _, device_type, enabled, previous = frames.pop()
-            if previous is not None:
+        if not torch.is_autocast_enabled(device_type):
+            return self._forward(args, kwargs)
+        if _holds_16_bit(module):
+            # A subtree that holds a 16-bit parameter or buffer (a part loaded in bf16, no master weights) would raise
+            # on mixed dtypes in its matmuls and norms with autocast off: autocast stays on with FP32 as its
+            # low-precision dtype, so those cast their 16-bit arguments up (and the policy's kernels, if active,
+            # upcast the listed ops). Dynamo traces this setter from torch 2.13 on (it guards on the dtypes); torch
+            # 2.11's breaks the graph here, and fullgraph=True refuses it.
+            previous = torch.get_autocast_dtype(device_type)
+            torch.set_autocast_dtype(device_type, torch.float32)
+            try:
+                return self._forward(args, kwargs)
+            finally:
                 torch.set_autocast_dtype(device_type, previous)
-            elif enabled:
-                torch.set_autocast_enabled(device_type, True)
-        return None
+        if torch.compiler.is_compiling():
+            with torch.autocast(device_type, enabled=False):  # the one autocast switch torch 2.11's Dynamo traces
+                return self._forward(args, kwargs)
+        torch.set_autocast_enabled(device_type, False)
+        try:
+            return self._forward(args, kwargs)
+        finally:
+            torch.set_autocast_enabled(device_type, True)
 
 
-# Forwards that compute in FP32 without hooks wherever the policy's kernels are active: one call to an op the kernels
-# compute in FP32 (they upcast its 16-bit inputs as the pre-hook would; batch norm's takes a 16-bit input as it is
-# where the hooks would too), or none that autocast touches (an FP32 table's lookup is FP32). Subclasses that keep the forward count too. Hooks cost ~350 Python bytecodes per call
-# (nn.Module's hooked call path, the two hooks, the input walk), seven times the kernel's.
+class Fp32Forwards:
+    """Puts FP32 forwards on the modules of one device type (``Fp32Policy.install``, the autopilot)."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+
+    def attach(self, module: nn.Module) -> list[Fp32Forward]:
+        """Put an FP32 forward on ``module`` in front of the one it has; returns it in a list, the handles to remove."""
+        forward = Fp32Forward(module, self.device_type, module.__dict__.get("forward"))
+        module.__dict__["forward"] = forward
+        return [forward]
+
+
+Fp32ForwardHooks = Fp32Forwards  # the name core/autopilot.py imports
+
+
+# Forwards that compute in FP32 without an FP32 forward wherever the policy's kernels are active: one call to an op the
+# kernels compute in FP32 (they upcast its 16-bit inputs as the FP32 forward would; batch norm's takes a 16-bit input
+# as it is where the FP32 forward would too), or none that autocast touches (an FP32 table's lookup is FP32).
+# Subclasses that keep the forward count too. An FP32 forward costs ~230 Python bytecodes a call (the input walk, the
+# setters; the forward hooks it replaced, ~400), the kernel ~50.
 _ONE_OP_FORWARDS: dict[Callable[..., Any], str | None] = {
     nn.LayerNorm.forward: "layer_norm", nn.GroupNorm.forward: "group_norm", nn.RMSNorm.forward: "rms_norm",
     _BatchNorm.forward: "batch_norm", _InstanceNorm.forward: "instance_norm", nn.Embedding.forward: None,
 }
 
 
-def needs_hooks(module: nn.Module, kernel_ops: frozenset[str] | None) -> bool:
-    """Whether a kept module's forward needs the FP32 hooks; ``kernel_ops``: the ops the active kernels compute in
-    FP32 wherever the module runs, ``None`` where no kernels are active (every kept module needs them then)."""
+def needs_fp32_forward(module: nn.Module, kernel_ops: frozenset[str] | None) -> bool:
+    """Whether a kept module needs an :class:`Fp32Forward`; ``kernel_ops``: the ops the active kernels compute in
+    FP32 wherever the module runs, ``None`` where no kernels are active (every kept module needs one then)."""
     if kernel_ops is None:
         return True
     op = _ONE_OP_FORWARDS.get(type(module).forward, "")
@@ -158,12 +170,11 @@ def needs_hooks(module: nn.Module, kernel_ops: frozenset[str] | None) -> bool:
 
 
 class Fp32ModuleHandle:
-    """Returned by ``Fp32Policy.install``; ``remove()`` takes every hook out again.
+    """Returned by ``Fp32Policy.install``; ``remove()`` takes every FP32 forward out again.
 
-    Also a context manager (``with policy.install(model, "cpu"): ...``).
-    Copies of the model made while installed (``copy.deepcopy``) carry the hooks
-    with them and keep running those modules in FP32; ``remove()`` only affects
-    the original modules."""
+    Also a context manager (``with policy.install(model, "cpu"): ...``). Copies of the model made while installed
+    (``copy.deepcopy``, pickling) carry FP32 forwards of their own and keep running those modules in FP32;
+    ``remove()`` only affects the original modules."""
 
     def __init__(self, modules: tuple[nn.Module, ...], handles: list[Any]) -> None:
         self.modules = modules

@@ -13,8 +13,8 @@ tuple operations::
     Fp32Policy(modules=NORM_MODULES)                      # RNNs and embeddings back to 16 bits
 
 The pieces: ``names`` (what a name covers), ``aten`` (the aten ops a name reaches), ``dispatch`` (the kernels at
-the autocast keys), ``mode`` (the Python fallback for pure-Python composites), ``modules`` (module hooks) and
-``describe`` (``describe()``'s Markdown), each a module of :mod:`lightning_mp.policy`.
+the autocast keys), ``mode`` (the Python fallback for pure-Python composites), ``modules`` (listed modules' FP32
+forward) and ``describe`` (``describe()``'s Markdown), each a module of :mod:`lightning_mp.policy`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from lightning_mp.policy.aten import OpReach, kernel_plan, reach_of
 from lightning_mp.policy.describe import describe_policy
 from lightning_mp.policy.dispatch import Fp32Activation, switched_on
 from lightning_mp.policy.mode import _Fp32OpMode
-from lightning_mp.policy.modules import Fp32ModuleHandle, Fp32ForwardHooks, needs_hooks, refuse_16_bit_batch_norm
+from lightning_mp.policy.modules import Fp32ModuleHandle, Fp32Forwards, needs_fp32_forward, refuse_16_bit_batch_norm
 from lightning_mp.policy.ops import (
     _DTYPE_OPS,
     BF16_FP32_OPS,
@@ -257,9 +257,9 @@ class Fp32Policy:
         autocast is disabled for ``device_type`` during that forward; outputs are FP32. The exception is BatchNorm
         with FP32 parameters and statistics on CPU and CUDA: its kernels take the 16-bit input as it is, compute the
         statistics in FP32 inside and return a 16-bit output (no FP32 copy of the activation for autograd to keep).
-        Forward hooks, so the modules' ``forward`` is never replaced; ``handle.remove()`` takes them out again.
-        ``kernels_active``: the kernels are active wherever the model runs (a plugin's fit); modules whose forward
-        is one listed op (``nn.LayerNorm``...) or an embedding lookup then compute in FP32 without hooks."""
+        An instance ``forward`` in front of the module's own (``modules.Fp32Forward``); ``handle.remove()`` takes it
+        out. ``kernels_active``: the kernels are active wherever the model runs (a plugin's fit); modules whose forward
+        is one listed op (``nn.LayerNorm``...) or an embedding lookup then compute in FP32 without one."""
         if not isinstance(root, nn.Module):
             raise TypeError(f"install() expects an nn.Module as root, got {type(root).__name__}.")
         if isinstance(device_type, torch.device):
@@ -272,14 +272,14 @@ class Fp32Policy:
         except RuntimeError as err:
             raise ValueError(f"device_type {device_type!r} is not supported by torch.autocast: {err}") from None
 
-        hooks = Fp32ForwardHooks(device_type)
+        forwards = Fp32Forwards(device_type)
         modules: list[nn.Module] = []
         handles: list[Any] = []
         for module in root.modules():
             if self.keeps_fp32(module):
                 modules.append(module)
-                if needs_hooks(module, self._ops if kernels_active else None):
-                    handles.extend(hooks.attach(module))
+                if needs_fp32_forward(module, self._ops if kernels_active else None):
+                    handles.extend(forwards.attach(module))
         return Fp32ModuleHandle(tuple(modules), handles)
 
     def describe(self) -> str:
