@@ -154,6 +154,7 @@ def train(args, name, plugin=None, precision=None, poison=False, exact=False, st
         "losses": losses,
         "counts": dict(COUNTS),
         "ddp_buckets": ddp_calls[0],
+        "global_hooks": len(torch.nn.modules.module._global_forward_pre_hooks),  # the first-call hook, gone
         "loaded": loaded,
         "opt_state": full({f"{i}.{k}": v for i, s in enumerate(optimizer.state_dict()["state"].values())
                            for k, v in s.items() if torch.is_tensor(v)}),

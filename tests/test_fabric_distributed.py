@@ -118,6 +118,7 @@ def test_no_collective_inside_no_backward_sync_and_ddp_never_averages_16_bit_gra
             steps = len(r[phase]["losses"])
             assert steps <= r[phase]["counts"]["outside"] <= 4 * steps + 1
             assert r[phase]["ddp_buckets"] == 0  # DDP's own reducer never ran: no 16-bit all-reduce
+            assert r[phase]["global_hooks"] == 0  # the process-wide first-call hook went at the first forward
     if strategy == "ddp":
         assert r0["fp32"]["ddp_buckets"] > 0  # the counter sees DDP's reducer where it runs (32-true)
 
