@@ -264,4 +264,6 @@ def test_emulated_bf16_gemms_leave_torchaos_fp8_gemms_to_torchao(recipe):
             opt.step()
             opt.zero_grad()
             losses[gemm].append(loss.item())
+        with torch.inference_mode():  # the emulation's dispatch mode (inference mode only) hands them on too
+            losses[gemm].append(model(x).float().pow(2).mean().item())
     assert all(map(math.isfinite, losses["emulated"])) and losses["emulated"] == losses["native"]

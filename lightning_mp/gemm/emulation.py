@@ -85,7 +85,10 @@ class EmulatedGemmMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: A002 (torch's signature)
         kwargs = kwargs or {}
-        if func in EMULATED_OPS and any(isinstance(a, Tensor) and a.dtype == self.dtype for a in args):
+        # `types` holds the operands' tensor subclasses (none for plain tensors): one that computes its own GEMM
+        # (torchao's FP8 tensors, reporting dtype bf16) gets the op as is, as from the kernels (`_kernel`)
+        if func in EMULATED_OPS and any(isinstance(a, Tensor) and a.dtype == self.dtype for a in args) \
+                and all(_traced(t) for t in types):
             return compute(func, self.dtype, self.families, args, kwargs, self.staging)
         if _composite(func):
             # Under torch.inference_mode (Lightning's validate/test/predict) composite ops such as conv2d and linear
