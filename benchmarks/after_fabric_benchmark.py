@@ -1,11 +1,14 @@
 """Plain torch code after a Fabric loop, with the plugin, Fabric and the model still alive, against a fresh process.
 
-Three worker processes: a fresh one, one that has run a few steps of the demo GPT under
-lightning_mp.fabric.MixedPrecisionPlugin, one after the same loop under Fabric's own MixedPrecision. Each keeps its
-objects alive (a script that goes on after its loop) and times two workloads on request: FP32 ``torch.mm`` of small
-matrices (where a Python kernel left at the dispatcher would show per call) and a small MLP forward under
-``torch.autocast`` (where the FP32 policy's kernels would). The requests are interleaved, so a machine that speeds
-up or slows down shifts every worker alike. Reported: the median time per call, and each worker's over the fresh one.
+Four worker processes: a fresh one, one that has run a few steps of the demo GPT under
+lightning_mp.fabric.MixedPrecisionPlugin, the same followed by ``plugin.release_kernels()``, and one after the same
+loop under Fabric's own MixedPrecision. Each keeps its objects alive (a script that goes on after its loop) and times
+two workloads on request: FP32 ``torch.mm`` of small matrices (where a Python kernel left at the dispatcher would show
+per call: the emulated GEMMs' are out between iterations) and a small MLP forward under ``torch.autocast``, where the
+FP32 policy's kernels, registered from the plugin's first forward until it goes and switched off between iterations,
+cost one Python call per listed op (LayerNorm, softmax here) until ``release_kernels()``. The requests are
+interleaved, so a machine that speeds up or slows down shifts every worker alike. Reported: the median time per call,
+and each worker's over the fresh one.
 
     python benchmarks/after_fabric_benchmark.py --rounds 7
 """
@@ -19,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-WORKERS = ("fresh process", "after a lightning_mp Fabric loop", "after a Fabric MixedPrecision loop")
+WORKERS = ("fresh process", "after a lightning_mp Fabric loop", "the same, then plugin.release_kernels()",
+           "after a Fabric MixedPrecision loop")
 WORKLOADS = ("FP32 torch.mm 64x64", "bf16 autocast MLP forward")
 
 
@@ -31,7 +35,7 @@ def fabric_loop(which: str, args) -> tuple:
     from lightning_mp.demos import GPT
     from lightning_mp.fabric import MixedPrecisionPlugin
 
-    if which == WORKERS[1]:
+    if which in WORKERS[1:3]:
         plugin = MixedPrecisionPlugin(args.precision, gemm=args.gemm)
     else:
         plugin = MixedPrecision("bf16-mixed" if args.precision == "bf16" else "16-mixed", "cpu")
@@ -44,6 +48,8 @@ def fabric_loop(which: str, args) -> tuple:
         fabric.backward(GPT.loss_fn(model(x), x))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    if which == WORKERS[2]:
+        plugin.release_kernels()
     return fabric, model, optimizer, plugin
 
 

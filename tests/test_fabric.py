@@ -486,44 +486,6 @@ def test_monitor_needs_this_plugin_and_a_logger(tmp_path):
         PrecisionMonitor(fabric, grad_range_every_n_steps=0)
 
 
-# ---------------------------------------------------------------------------------------------- between iterations
-def test_between_iterations_and_after_the_loop_none_of_the_plugins_kernels_is_registered():
-    # a script that goes on after its loop keeps fabric, the plugin and the model alive: its plain torch code must not
-    # pass through the plugin's kernels (they were held until the plugin was collected: every matrix product in the
-    # process a Python call, 1.8-2.1x on an FP32 mm, 1.6-1.7x on an autocast block; after_fabric_benchmark.py)
-    import gc
-
-    from lightning_mp.compile_key import current_parts
-    from lightning_mp.policy.dispatch import active_kernels
-
-    def ours():  # the emulated GEMMs' kernels, the FP32 policy's, their part of torch.compile's cache key
-        mm = torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm", "ADInplaceOrView")
-        return mm, bool(active_kernels("AutocastCPU")), bool(current_parts())
-
-    gc.collect()  # plugins that earlier tests dropped in the middle of a loop release their kernels when collected
-    assert ours() == (False, False, False)
-    fabric = fabric_for(MixedPrecisionPlugin("bf16", gemm="emulated"), accelerator="cpu")
-    net = tiny_net()
-    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    ((x, y),) = batches(1)
-    loss = nn.functional.mse_loss(model(x), y)
-    assert ours() == (True, True, True)  # registered from the forward to the end of its backward
-    fabric.backward(loss)
-    assert ours() == (False, False, False)
-    optimizer.step()
-    train(fabric, model, optimizer, batches(3))
-    assert ours() == (False, False, False)
-    with torch.no_grad():  # no backward follows: released with the forward
-        model(x)
-    assert ours() == (False, False, False)
-    model(x)  # a loss never back-propagated: released at the next optimizer.step()
-    assert ours() == (True, True, True)
-    optimizer.step()
-    assert ours() == (False, False, False)
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # CPU autocast's own softmax (bf16), not the policy's FP32
-        assert torch.softmax(x.bfloat16(), -1).dtype == torch.bfloat16
-
-
 # ---------------------------------------------------------------------------------------------- the example
 def test_fabric_gpt_example_trains_logs_the_tags_and_saves_an_fp32_checkpoint(tmp_path):
     import subprocess

@@ -7,7 +7,7 @@ Where each piece runs in one iteration of a Fabric loop::
                               forward_context, which Fabric's module wrapper enters around forward:
                                 the device set-up on the first forward                           (core.connect)
                                 copies refreshed where their masters changed                      (core.begin)
-                                autocast + GEMM emulation, the FP32 policy's kernels (until the backward)
+                                autocast + GEMM emulation, the FP32 policy's kernels switched on
                                 floating outputs come back as FP32 (as from Fabric's own MixedPrecision),
                                 so a loss computed in the loop, outside autocast, is an FP32 loss
     fabric.backward(loss)     loss * scale, the backward (kernels again: checkpoint recomputation follows them),
@@ -28,9 +28,8 @@ mixed precision casts fresh ones at every forward.
 Several ranks (DDP, FSDP2): the set-up waits for what the strategy made of the model (:mod:`.first_call`).
 
 Fabric has no ``connect`` and no end of fit: the one-time set-up that needs the device runs on the first forward,
-and the FP32 policy's and the emulated GEMMs' kernels are registered from each forward to the end of its backward
-(or of the forward, under ``no_grad``; or to the next ``optimizer.step()``): between iterations, and after the loop
-with the plugin and the model alive, other torch code in the process runs as in a fresh one.
+which also registers the FP32 policy's kernels for the plugin's life, switched on only inside forwards and backwards
+(the emulated GEMMs' kernels: from a forward to the end of its backward). What that costs where: :mod:`.kernels`.
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ from typing_extensions import override
 from lightning_mp.core import CoreViews, MixedPrecisionCore
 from lightning_mp.core.skips import refuse_lbfgs
 from lightning_mp.fabric.first_call import FirstForward
+from lightning_mp.fabric.kernels import KernelHold
 from lightning_mp.formats import upcast
 from lightning_mp.numerics.checkpoint_compat import is_gradscaler_state, take_gradscaler_state
 from lightning_mp.numerics.sharding import fsdp_mp_policy
@@ -86,10 +86,10 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
         self._first_forward = FirstForward(self.core)  # the set-up at the first forward (several ranks: conversion)
         self._listeners: list[Any] = []  # PrecisionMonitor objects, told about every optimizer step
         self._force_refresh = True  # the next forward refreshes every trainable copy (set by optimizer steps)
-        self._kernels: list[Any] = []  # the FP32 policy's hold from a forward to the end of its backward
-        # Fabric never calls teardown: the copies' hooks and buffers, and any kernels still held, go with the plugin
+        self._kernels = KernelHold(self.core.policy, self.core.gemm)  # the FP32 policy's and emulated GEMMs' kernels
+        # Fabric never calls teardown: the copies' hooks and buffers, and the kernels, go with the plugin
         weakref.finalize(self, MixedPrecisionCore.teardown, self.core)
-        weakref.finalize(self, _release, self._kernels, self.core.gemm)
+        weakref.finalize(self, KernelHold.release, self._kernels)
 
     def __repr__(self) -> str:  # Lightning's "invalid plugin" error names it: say it is the Fabric one
         return f"lightning_mp.fabric.MixedPrecisionPlugin({self.core.format.name!r})"
@@ -112,18 +112,14 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
 
     @override
     def teardown(self) -> None:
-        _release(self._kernels, self.core.gemm)
+        self._kernels.release()
         self._first_forward.remove()
         self.core.teardown()
 
-    def _hold_kernels(self) -> bool:
-        """The FP32 policy's and the emulated GEMMs' kernels from a forward to the end of its backward: one registration
-        (about 1.5 ms) per iteration, not one per forward and per backward; none between. Whether this call made it."""
-        if self._kernels or not self.core.format.is_16bit:
-            return False
-        self._kernels.append(self.core.policy.activate())
-        self.core.gemm.hold()
-        return True
+    def release_kernels(self) -> None:
+        """The FP32 policy's kernels out of torch's dispatcher, registered from the first forward on: other code under
+        ``torch.autocast`` then runs as in a fresh process. The next forward registers them again (about 1.5 ms)."""
+        self._kernels.release()
 
     # ------------------------------------------------------------------ forward
     @override
@@ -135,13 +131,13 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
         self._first_forward.set_up()
         self.core.begin(force=self._force_refresh)
         self._force_refresh = False
-        registered = self._hold_kernels()
+        gemms = self.core.format.is_16bit and self._kernels.forward()  # the policy's: registered once (.kernels)
         try:
             with self.core.forward_context():
                 yield
         finally:
-            if registered and not torch.is_grad_enabled():  # no backward follows (evaluation): released at once
-                _release(self._kernels, self.core.gemm)
+            if gemms and not torch.is_grad_enabled():  # no backward follows (evaluation): the GEMMs' out at once
+                self._kernels.backward_done()
 
     @override
     def convert_input(self, data: Any) -> Any:
@@ -174,7 +170,7 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
             with policy, self.core.backward_context():
                 super().backward(self.core.scale_loss(tensor), model, *args, **kwargs)
         finally:
-            _release(self._kernels, self.core.gemm)
+            self._kernels.backward_done()
 
     @override
     def post_backward(self, tensor: Tensor, module: nn.Module | None) -> None:  # type: ignore[override]
@@ -212,7 +208,7 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
             kwargs["closure"] = self.core.replay_closure(optimizer, first, closure, after, self.core.step.steps)
         output = self.core.optimizer_step(optimizer, **kwargs)
         self._force_refresh = True
-        _release(self._kernels, self.core.gemm)  # a forward whose loss was not back-propagated held them
+        self._kernels.backward_done()  # a forward whose loss was not back-propagated held the GEMMs' kernels
         self.core.end_training_step(self.core.step.steps)  # Fabric has no global step: the plugin's own count
         for listener in self._listeners:
             listener.after_optimizer_step(optimizer)
@@ -229,13 +225,6 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
             take_gradscaler_state(self.core.scaler, state_dict)
         else:
             self.core.load_state_dict(state_dict)
-
-
-def _release(kernels: list[Any], gemm: Any) -> None:
-    """The kernels :meth:`MixedPrecisionPlugin._hold_kernels` holds, released (idempotent)."""
-    while kernels:
-        kernels.pop().remove()
-        gemm.remove()
 
 
 def _zero_grad_tensor(optimizer: Optimizer) -> Tensor:
