@@ -10,11 +10,13 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
 from torch.optim import Optimizer
 
 from lightning_mp.fabric.plugin import MixedPrecisionPlugin
 from lightning_mp.monitors.gradient_range import TAG_HISTOGRAM
 from lightning_mp.doctor.log2_histogram import measure_on_device, Pending, unpack, histogram_kwargs, reference_scale
+from lightning_mp.numerics.sharding import local
 from lightning_mp.validation import check_bool, check_int
 from lightning_mp.monitors.base import fp8_decision_metrics, plugin_metrics, histogram_writers, no_histogram_message
 
@@ -109,15 +111,19 @@ class PrecisionMonitor:
     # ------------------------------------------------------------------ called by the plugin
     def before_optimizer_step(self, optimizer: Optimizer) -> None:
         """Queue the gradient measurement; the gradients are unscaled and the step not yet taken or skipped."""
-        every, step = self.grad_range_every_n_steps, self._plugin.training_steps
-        if every is None or (step + 1) % every or not self._fabric.is_global_zero:
+        every, step, sharded = self.grad_range_every_n_steps, self._plugin.training_steps, self._plugin.sharded
+        # FSDP2: every rank holds a shard, so every rank counts its own and the counts are summed (an op on the
+        # DTensors themselves would run collectives on rank 0 alone)
+        if every is None or (step + 1) % every or not (self._fabric.is_global_zero or sharded):
             return
         named = list(self._plugin.named_grads(optimizer))
         if not named:
             return
-        grads = [g for _, g in named]
-        packed = measure_on_device(grads, reference_scale(self._plugin), self.per_param)
-        self._pending = Pending([n for n, _ in named], sum(g.numel() for g in grads), packed)
+        packed = measure_on_device([local(g) for _, g in named], reference_scale(self._plugin), self.per_param)
+        if sharded:
+            torch.distributed.all_reduce(packed)  # counts of the whole model, not of this rank's shard
+        if self._fabric.is_global_zero:  # a DTensor's numel is the full parameter's
+            self._pending = Pending([n for n, _ in named], sum(g.numel() for _, g in named), packed)
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         plugin = self._plugin
