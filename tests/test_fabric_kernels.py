@@ -37,8 +37,8 @@ def setup(**kwargs):
 
 
 def test_the_policy_is_registered_once_not_per_iteration():
-    # before: every iteration registered the policy's ~100 overloads and took them out again (about 1.5 ms a step,
-    # 2-3% of the demo GPT's CPU step; benchmarks/fabric_benchmark.py)
+    # before: every iteration registered the policy's ~100 overloads and took them out again (about 1 ms a step,
+    # 1-2% of the demo GPT's CPU step; benchmarks/fabric_benchmark.py)
     gc.collect()
     plugin, fabric, model, optimizer = setup()
     train(fabric, model, optimizer, batches(1))
