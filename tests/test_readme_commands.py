@@ -98,6 +98,8 @@ RUN_HERE = {
     "python benchmarks/fp8_quality.py --max-steps 150 --seeds 3": (
         ["--max-steps", "2", "--seeds", "2", "--recipes", "rowwise", *TINY_GPT, "--max-bytes", "65536",
          "--max-val-batches", "1"], "| fp8 rowwise |"),
+    "python benchmarks/gemm_families.py": (["--rounds", "1", "--conv", "2", "4", "8", "--mm", "32", "32", "32"],
+                                           "| conv weight grad |"),
     "python benchmarks/fp8_eval.py": (["--max-steps", "2", "--recipes", "rowwise", "--n-layer", "1", "--n-embd", "32",
                                        "--max-bytes", "65536", "--max-val-batches", "1"], "| rowwise |"),
 }  # fmt: skip
