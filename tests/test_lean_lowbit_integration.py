@@ -195,3 +195,9 @@ def test_fsdp2_lean_with_adamw8bit_tracks_fp32_masters_reducing_in_fp32(fsdp2):
     assert not all(torch.equal(lean[k], masters[k]) for k in start)
     for k, w0 in start.items():
         assert (lean[k] - masters[k]).norm() < 0.02 * (masters[k] - w0).norm(), k
+
+
+def test_bf16_optimizer_state_with_a_torchao_optimizer_is_refused_at_set_up_naming_it():
+    # before: the first step ran, then torchao's quantized state crashed in aten.cat at the second
+    with pytest.raises(ValueError, match=r"optimizer_state_dtype=torch.bfloat16 with AdamW8bit .*HINT"):
+        fit(Net("8bit"), master_weights="compensated", optimizer_state_dtype=torch.bfloat16)

@@ -107,6 +107,10 @@ class LeanBf16:
         show bf16 state as FP32 in ``state_dict()``: torch's distributed checkpoint makes the state with a step of its
         own on the bf16 parameters (bf16 tensors) and loads the checkpoint into that ``state_dict()`` in place."""
         if self.state_dtype != torch.float32:
+            for optimizer in optimizers:  # torchao's quantized states cannot be cast to bf16 after their first step
+                if type(optimizer).__module__.startswith("torchao."):
+                    raise ValueError(f"optimizer_state_dtype=torch.bfloat16 with {type(optimizer).__qualname__} is "
+                                     "not allowed: torchao quantizes its state. HINT: optimizer_state_dtype=None.")
             return
         for optimizer in optimizers:
             self._handles.append(optimizer.register_state_dict_post_hook(_upcast))
