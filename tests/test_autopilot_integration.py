@@ -135,14 +135,25 @@ def test_fabric_moves_the_module_too():
 
 
 def _outlier_gpt(seed):
-    """The demo GPT with an outlier feature: one MLP writes ~4e4 into channel 0 of the residual stream, and the
-    weights that write it grow past fp16's range in training (as large LLMs' massive activations do)."""
+    """The demo GPT with an outlier feature: one MLP writes 7e4 into channel 0 of the residual stream, past fp16's
+    65504 from the first forward (as large LLMs' massive activations do), so plain fp16 stops at step 0.
+
+    Where the outlier sits is numerics, not taste: FP32 training must not be chaotic, or comparing fp16 with FP32
+    measures luck. The outlier is the bias (7e4, a constant); the weight row that makes it vary by token is scaled
+    by only 3e3 (norm ~460). With the outlier in the weights instead (row x3e5, norm 4.6e4, bias 3e4: the old test),
+    a small change in block 0's MLP activations is multiplied into channel 0; FP32 itself, with every weight
+    multiplied at init by (1 + 2^-11 N(0, 1)) (one fp16 ulp of noise), ended 5.5% off on 1 seed of 16, the rate
+    at which fp16 did. With the row x3e4 and this bias, FP32 under that noise moved up to 1.7% and the fp16
+    autopilot spiked to +35% on 1 run of 12. With the row x3e3, FP32 under that noise moves under 0.03% on
+    seeds 0-5 (AVX512 and AVX2 kernels). The cost: channel 0 dominates the downstream LayerNorms, which squash
+    every other feature by ~1e-4, so 300 steps learn the byte statistics (val loss ~3.16, from 5.5); what is
+    measured is that fp16 with the autopilot gets there as FP32 does, where plain fp16 cannot start."""
     L.seed_everything(seed, verbose=False)
     model = GPT(n_layer=2, n_embd=64, n_head=4, block_size=64, lr=1e-3, warmup_steps=40)
     with torch.no_grad():
         out = model.blocks[0].mlp[2]
-        out.weight[0].mul_(3e5)
-        out.bias[0] = 3e4
+        out.weight[0].mul_(3e3)
+        out.bias[0] = 7e4  # past 65504: inf once cast to fp16
     return model
 
 
@@ -153,19 +164,17 @@ def _val_loss(model, dm):
         return sum(nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).item() for x, y in batches) / 8
 
 
-def test_an_outlier_feature_in_the_demo_gpt_trains_in_fp16_within_2_percent_of_fp32():
-    # three seeds (one seed measures luck); plain fp16 stops on every one
-    ours, reference = [], []
-    for seed in range(3):
-        data = lambda: StdlibTextDataModule(block_size=64, batch_size=8, max_bytes=256 * 1024, seed=seed)  # noqa: E731
-        model, dm = _outlier_gpt(seed), data()
-        fit(model, None, dm, steps=300, limit_val_batches=0)
-        reference.append(_val_loss(model, dm))
-        with pytest.raises(FloatingPointError, match=r"forward overflow in `blocks.0.mlp.2`"):
-            fit(_outlier_gpt(seed), MixedPrecisionPlugin("fp16"), data(), steps=300, limit_val_batches=0)
-        model, dm, plugin = _outlier_gpt(seed), data(), MixedPrecisionPlugin("fp16", fp32_modules="auto")
-        fit(model, plugin, dm, steps=300, limit_val_batches=0)
-        assert plugin.auto_fp32_modules == ["blocks.0.mlp.2"]
-        ours.append(_val_loss(model, dm))
-    mean_ours, mean_reference = sum(ours) / 3, sum(reference) / 3
-    assert abs(mean_ours - mean_reference) <= 0.02 * mean_reference, (ours, reference)
+@pytest.mark.slow  # 3 fits of 300 steps per seed
+@pytest.mark.parametrize("seed", range(6))  # per seed: one seed measures luck, a mean hides a bad seed
+def test_an_outlier_feature_in_the_demo_gpt_trains_in_fp16_within_2_percent_of_fp32(seed):
+    data = lambda: StdlibTextDataModule(block_size=64, batch_size=8, max_bytes=256 * 1024, seed=seed)  # noqa: E731
+    model, dm = _outlier_gpt(seed), data()
+    fit(model, None, dm, steps=300, limit_val_batches=0)
+    reference = _val_loss(model, dm)
+    with pytest.raises(FloatingPointError, match=r"forward overflow in `blocks.0.mlp.2`"):
+        fit(_outlier_gpt(seed), MixedPrecisionPlugin("fp16"), data(), steps=300, limit_val_batches=0)
+    model, dm, plugin = _outlier_gpt(seed), data(), MixedPrecisionPlugin("fp16", fp32_modules="auto")
+    fit(model, plugin, dm, steps=300, limit_val_batches=0)
+    assert plugin.auto_fp32_modules == ["blocks.0.mlp.2"]
+    ours = _val_loss(model, dm)
+    assert abs(ours - reference) <= 0.02 * reference, (ours, reference)
