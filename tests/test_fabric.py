@@ -504,3 +504,39 @@ def test_fabric_gpt_example_trains_logs_the_tags_and_saves_an_fp32_checkpoint(tm
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert {v.dtype for v in ckpt["model"].values() if v.is_floating_point()} == {torch.float32}
     assert ckpt["precision"]["scaler"]["steps"] == 3
+
+
+@pytest.mark.on_device
+def test_lean_bf16_optimizer_state_stays_fp32_through_a_load_under_fabric():
+    # before: the plugin never saw Fabric's optimizers, so torch's load_state_dict cast Adam's FP32 moments to the
+    # bf16 Parameters' dtype (a resume rounded them to 8 bits)
+    def run(setup_first):
+        plugin = MixedPrecisionPlugin("bf16", master_weights="compensated")
+        fabric = fabric_for(plugin)
+        model = fabric.setup(tiny_net())
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        if setup_first:
+            plugin.setup_optimizers(optimizer)  # before fabric.load: the documented resume order
+            return optimizer
+        train(fabric, model, optimizer, batches(2))  # the first optimizer.step() sets it up
+        return optimizer
+
+    source = run(setup_first=False)
+    state = source.state_dict()
+    assert {v.dtype for s in state["state"].values() for k, v in s.items() if k != "step"} == {torch.float32}
+    saved = [v for s in state["state"].values() for k, v in s.items() if k != "step"]
+    for target in (source, run(setup_first=True)):  # a rollback in the run, a resume in a new one
+        target.load_state_dict(copy.deepcopy(state))
+        moments = [v for s in target.state.values() for k, v in s.items() if k != "step"]
+        assert len(moments) == len(saved) and all(torch.equal(a, b) and a.dtype == b.dtype
+                                                  for a, b in zip(moments, saved))
+
+
+def test_bf16_optimizer_state_with_a_torchao_optimizer_is_refused_under_fabric_too():
+    torchao_optim = pytest.importorskip("torchao.optim")
+    plugin = MixedPrecisionPlugin("bf16", master_weights="compensated", optimizer_state_dtype=torch.bfloat16)
+    fabric = fabric_for(plugin)
+    model = fabric.setup(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 1)))
+    optimizer = fabric.setup_optimizers(torchao_optim.AdamW8bit(model.parameters(), lr=1e-3))
+    with pytest.raises(ValueError, match=r"optimizer_state_dtype=torch.bfloat16 with AdamW8bit .*HINT"):
+        train(fabric, model, optimizer, [(torch.randn(8, 64), torch.randn(8, 1))])

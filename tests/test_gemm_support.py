@@ -179,15 +179,14 @@ def test_the_probe_takes_the_best_of_interleaved_repeats_and_stops_timing_a_clea
 
 
 @pytest.mark.parametrize("dtype", HALF)
-def test_the_real_probe_on_this_machine_is_cheap_leaves_the_threads_and_agrees_with_a_native_onednn(dtype):
-    """Whatever this CPU is: every family measured, the thread count as it was, and a few tens of ms of CPU time
-    at most (6-32 ms measured on the three CPU kinds; a loaded 2-core machine gets room)."""
-    import time
-
+def test_the_real_probe_on_this_machine_leaves_the_threads_and_agrees_with_a_native_onednn(dtype):
+    """Whatever this CPU is: every family measured and the thread count as it was (its cost, 6-32 ms of CPU time on
+    the three CPU kinds, is measured by benchmarks/gemm_families.py, not here), also under a caller's autocast."""
     threads = torch.get_num_threads()
-    start = time.thread_time()
-    s = gemm_support("cpu", dtype)
-    assert time.thread_time() - start < 0.5 and torch.get_num_threads() == threads
+    gemm_support.cache_clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the FP32 timings stay FP32 (else matmul came out ~1x)
+        s = gemm_support("cpu", dtype)
+    assert torch.get_num_threads() == threads
     assert [f for f, _ in s.slowdowns] == list(FAMILIES) and all(r > 0 for _, r in s.slowdowns)
     if dtype == torch.bfloat16 and gs._torch_reports_native(dtype):  # bf16 in oneDNN: every family has a kernel
         assert s.native, s.reason

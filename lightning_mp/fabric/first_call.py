@@ -7,9 +7,10 @@ sync must go off (the step averages the FP32 gradients once, as under the Traine
 are the masters (no 16-bit copies of our own). So under a distributed strategy the plugin waits for each converted
 module's first call: :class:`FirstCalls` registers one process-wide forward pre-hook
 (``torch.nn.modules.module.register_module_forward_pre_hook``) at ``convert_module`` and removes it once every
-module it waits for has been called (:class:`FirstForward` holds the modules and does the set-up). The first call whose subtree holds such a module (Fabric's module wrapper, a
-``torch.compile`` wrapper, the DDP wrapper, or the module itself) comes before Fabric enters the precision's
-``forward_context``, and its subtree holds the wrapper, if there is one.
+module it waits for has been called (:class:`FirstForward` holds the modules and does the set-up). The first call
+whose subtree holds such a module (Fabric's module wrapper, a ``torch.compile`` wrapper, the DDP wrapper, or the
+module itself) comes before Fabric enters the precision's ``forward_context``, and its subtree holds the wrapper, if
+there is one.
 
 Cost: while the hook is registered, every module call in the process takes torch's hooked call path plus one
 identity scan of the called module's subtree; the first forward of each model ends it (typically one call per
@@ -29,6 +30,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mp.numerics.distributed import world_size
+from lightning_mp.numerics.sharding import is_sharded
 
 
 def distributed() -> bool:
@@ -90,8 +92,8 @@ class _Hook:
         self.owner = owner
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        owner = self.owner()
-        if owner is not None and owner._waiting:
+        owner = self.owner()  # under torch.compile nothing is set up: the eager call around the graph did it
+        if owner is not None and owner._waiting and not torch.compiler.is_compiling():
             owner._called(module)
 
 
@@ -135,7 +137,7 @@ class FirstForward:
         self.set_up()
         if wrapper is not None:
             self.core.data_parallel(wrapper)
-        elif self.core.masters is not None and not self.core.sharded and world_size() > 1:
+        elif self.core.masters is not None and not is_sharded(module) and world_size() > 1:
             raise NotImplementedError(
                 f"lightning_mp.fabric.MixedPrecisionPlugin(precision={self.core.format.name!r}) with master weights "
                 f"on {world_size()} ranks: {type(module).__name__} was called without the DistributedDataParallel "

@@ -110,6 +110,13 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
         otherwise nothing changes). The schedulers stay what they were for ``isinstance`` and ``state_dict()``."""
         self.core.guard_schedulers(schedulers)
 
+    def setup_optimizers(self, *optimizers: Any) -> None:
+        """With ``master_weights="compensated"``: keep these optimizers' FP32 state FP32 through ``fabric.load``
+        (torch casts loaded state to the bf16 Parameters' dtype). Call it before ``fabric.load``; the first
+        ``optimizer.step()`` does it for an optimizer not set up. Otherwise nothing changes."""
+        if self.core.lean is not None:
+            self.core.lean.watch([getattr(o, "optimizer", o) for o in optimizers])  # Fabric's wrapper: the optimizer
+
     @override
     def teardown(self) -> None:
         self._kernels.release()
@@ -192,6 +199,7 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        self.setup_optimizers(optimizer)  # lean bf16: its state stays FP32 through a later load (once per optimizer)
         closure = kwargs.pop("closure", None)
         if closure is not None:
             # as the Trainer plugin: the closure (forward, fabric.backward) is evaluated first, so the gradients are

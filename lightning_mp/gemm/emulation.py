@@ -112,8 +112,8 @@ class EmulatedGemmMode(TorchDispatchMode):
 # benchmarks/zoo.py a step makes about 600 aten calls and 60 GEMMs. Tensors made under torch.inference_mode lack the
 # key, so under inference mode (Lightning's validate, test, predict) the mode runs instead.
 class _Emulating(threading.local):
-    """The thread's emulation while a run's context is entered: (dtype, staging, families), else None. Per thread, as the
-    mode is: the CPU backward runs on the thread that calls ``backward()``. A thread that never set it reads None."""
+    """The thread's emulation while a run's context is entered: (dtype, staging, families), else None. Per thread, as
+    the mode is: the CPU backward runs on the thread that calls ``backward()``. A thread that never set it reads None."""
 
     state: tuple[torch.dtype, _Staging, frozenset] | None = None
 

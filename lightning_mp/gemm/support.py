@@ -113,9 +113,11 @@ def _family_calls(dtype: torch.dtype) -> dict[str, tuple[Callable[[], object], C
 
 
 @torch.inference_mode()
+@torch.autocast("cpu", enabled=False)  # a caller's autocast would make the FP32 timings 16-bit ones
 def _probe(dtype: torch.dtype) -> dict[str, float]:
     """Each op family's time in ``dtype`` over its time in FP32 on the CPU: the best of a few, interleaved so a busy
-    machine slows both alike; a family clearly slow is not timed again (a fallback is what costs). Inference tensors skip the emulation kernels of a run in progress.
+    machine slows both alike; a family clearly slow is not timed again (a fallback is what costs). Inference
+    tensors skip the emulation kernels of a run in progress.
 
     CPU time of this thread, on one thread: it compares kernels, not thread pools or the scheduler. On an
     oversubscribed machine a multi-threaded FP32 GEMM waits for a descheduled worker at its barrier (measured:

@@ -106,13 +106,14 @@ class LeanBf16:
         """Keep these optimizers' FP32 state FP32 through ``load_state_dict`` (torch casts it to the bf16 params), and
         show bf16 state as FP32 in ``state_dict()``: torch's distributed checkpoint makes the state with a step of its
         own on the bf16 parameters (bf16 tensors) and loads the checkpoint into that ``state_dict()`` in place."""
-        if self.state_dtype != torch.float32:
-            for optimizer in optimizers:  # torchao's quantized states cannot be cast to bf16 after their first step
-                if type(optimizer).__module__.startswith("torchao."):
-                    raise ValueError(f"optimizer_state_dtype=torch.bfloat16 with {type(optimizer).__qualname__} is "
-                                     "not allowed: torchao quantizes its state. HINT: optimizer_state_dtype=None.")
-            return
-        for optimizer in optimizers:
+        for optimizer in optimizers:  # torchao's quantized states cannot be cast to bf16 after their first step
+            if self.state_dtype != torch.float32 and type(optimizer).__module__.startswith("torchao."):
+                raise ValueError(f"optimizer_state_dtype=torch.bfloat16 with {type(optimizer).__qualname__} is not "
+                                 "allowed: torchao quantizes its state. HINT: optimizer_state_dtype=None.")
+        for optimizer in optimizers if self.state_dtype == torch.float32 else ():
+            pre = optimizer._optimizer_load_state_dict_pre_hooks.values()  # watched already: our stash is there
+            if any(getattr(h, "func", None) is _stash_fp32_state for h in pre):
+                continue  # (Fabric: plugin.setup_optimizers, then again at the first optimizer.step())
             self._handles.append(optimizer.register_state_dict_post_hook(_upcast))
             stash: dict = {}  # ours, not an attribute on the user's optimizer
             stashing, restoring = (functools.partial(f, stash) for f in (_stash_fp32_state, _restore_fp32_state))
