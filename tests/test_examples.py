@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.harness import clean_env
+
 pytest.importorskip("jsonargparse", reason="the examples use LightningCLI, which needs jsonargparse[signatures]")
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -439,8 +441,7 @@ def test_the_fabric_fsdp2_example_trains_on_two_processes_saves_and_resumes(tmp_
 
     def run(*args):
         cmd = [sys.executable, str(EXAMPLES / "fabric_fsdp_gpt.py"), *tiny, *args]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300, env=clean_env())
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         return proc.stdout
 

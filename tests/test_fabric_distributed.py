@@ -13,6 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks.harness import clean_env, exit_abort_after_results
+from benchmarks.harness import launch as run_script
 from lightning_mp.fabric import MixedPrecisionPlugin
 from tests.fabric_ddp_worker import data, micro_batch, mlp
 
@@ -29,23 +31,15 @@ def launch(out, *args, devices=2):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(devices), NODE_RANK="0",
-               PYTHONWARNINGS="ignore")
+    env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(devices), NODE_RANK="0")
     cmd = [sys.executable, WORKER, "--out", str(out), *map(str, args)]
     procs = [subprocess.Popen(cmd, env={**env, "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(devices)]
     for proc in procs:
         output, _ = proc.communicate(timeout=420)
-        assert proc.returncode == 0 or exit_abort_after_results(proc.returncode, output, out, devices), output[-3000:]
+        done = subprocess.CompletedProcess(cmd, proc.returncode, output, output)
+        assert proc.returncode == 0 or exit_abort_after_results(done, out, devices), output[-3000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
-
-
-def exit_abort_after_results(returncode, output, out, devices):
-    """gloo's threads now and then abort a process at interpreter exit, after every result is written (SIGABRT with
-    this C++ message): the results are what the tests judge; any other failure fails."""
-    return (returncode == -6 and "terminate called without an active exception" in output
-            and all((out / f"rank{r}.pt").exists() for r in range(devices)))
 
 
 def plugin_for(precision):
@@ -181,11 +175,8 @@ def test_autocast_and_lean_bf16_keep_working_under_ddp(run):
 
 
 def test_ddp_spawn_pickles_the_plugin_and_keeps_fp32_masters_averaged_once_per_step(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
-    proc = subprocess.run([sys.executable, WORKER, "--out", str(tmp_path), "--spawn", "--steps", "4"],
-                          env={**env, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True, timeout=420)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0 or exit_abort_after_results(proc.returncode, output, tmp_path, 2), output[-3000:]
+    proc = run_script(WORKER, "--out", tmp_path, "--spawn", "--steps", "4", timeout=420)
+    assert proc.returncode == 0 or exit_abort_after_results(proc, tmp_path, 2), proc.stderr[-3000:]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False)["poison"] for r in range(2))
     assert r0["skipped"] == r1["skipped"] == 1  # rank 1's overflow at step 2, skipped on both
     assert equal_states(r0["state"], r1["state"]) and set(r0["dtypes"].values()) == {torch.float32}

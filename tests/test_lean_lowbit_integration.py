@@ -23,6 +23,7 @@ from torch import nn
 from benchmarks.harness import launch_ranks
 from lightning_mp import MixedPrecisionPlugin
 from tests.conftest import device
+from tests.fsdp_worker import SaveAfterFirstEpoch
 
 torchao_optim = pytest.importorskip("torchao.optim")
 pytestmark = [pytest.mark.slow, pytest.mark.on_device]
@@ -69,15 +70,6 @@ class CpuCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path, map_location=None, weights_only=None):
         return super().load_checkpoint(path, map_location="cpu", weights_only=weights_only)
-
-
-class SaveAfterFirstEpoch(L.Callback):
-    def __init__(self, path):
-        self.path = path
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        if trainer.current_epoch == 0:
-            trainer.save_checkpoint(self.path)
 
 
 def fit(model, precision="bf16", epochs=2, ckpt_path=None, callbacks=(), **plugin_kwargs):
