@@ -219,6 +219,33 @@ def test_under_inference_mode_a_chosen_linear_computes_the_training_fp8_forward_
     fp8.remove()
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_a_chosen_linear_compiles_whole_for_training_and_under_inference_mode(recipe):
+    """FP8 is fast only compiled: the evaluation's way out of inference mode must not cost a graph break per Linear
+    (``torch.is_inference_mode_enabled`` cannot be traced: fullgraph raised). The compiled graph meets torchao's
+    FP8 ops decomposed, so under inference mode it computes what it computes under no_grad."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96).bfloat16()
+    fp8 = Fp8Linears("fp8", Fp8Settings(recipe, (nn.Linear,)))
+    fp8.attach(linear, "cpu", torch.bfloat16, lambda m: False)
+    compiled = torch.compile(linear, fullgraph=True)
+    x = torch.randn(4, 8, 64, dtype=torch.bfloat16)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.no_grad():
+                eager, no_grad = linear(x), compiled(x)
+            trained = compiled(x.clone().requires_grad_())
+            with torch.inference_mode():
+                inference = compiled(x)
+    finally:
+        fp8.remove()
+        torch._dynamo.reset()
+    ulp = 2**-7 * eager.abs().max().item()  # compiled and eager round the same FP8 product apart by a bf16 ulp
+    for out in (no_grad, trained.detach(), inference):
+        torch.testing.assert_close(out, eager, rtol=0, atol=ulp)
+    assert torch.equal(inference, no_grad)
+
+
 def test_mxfp8_runs_emulated_here_or_says_which_torchao_it_needs():
     try:
         fp8 = Fp8Linears("fp8", Fp8Settings("mxfp8", (nn.Linear,)))

@@ -95,7 +95,10 @@ class Fp8Forward:
         # meet `aten.reshape` undecomposed, which they do not implement (outside inference mode it reaches them as
         # the `view` they do), so the FP8 forward runs with inference mode off and gradients off: no_grad's
         # computation, bit for bit. The cost is the version counters of a few intermediate tensors.
-        leave = _no_inference_mode if torch.is_inference_mode_enabled() else contextlib.nullcontext
+        # (torch.compile: Dynamo cannot trace the mode's query, a graph break per Linear; a compiled graph meets the
+        # FP8 tensors' ops decomposed, so it needs no way out of the mode)
+        leaving = not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
+        leave = _no_inference_mode if leaving else contextlib.nullcontext
         with leave(), torch.autocast(self.device_type, enabled=False):
             out = self.matmul(input.to(self.dtype), weight.to(self.dtype))
             return out if bias is None else out + bias.to(self.dtype)
