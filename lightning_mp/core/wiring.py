@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from lightning_mp.core.skips import defer_flags, refuse_lbfgs
 from lightning_mp.doctor.locator import OverflowLocator
 from lightning_mp.formats import check_device_supports
-from lightning_mp.numerics.distributed import agree_on_max_, average_fp32_grads_per_step
+from lightning_mp.numerics.distributed import agree_on_max_, average_fp32_grads_per_step, world_size
 from lightning_mp.numerics.master_weights import MasterWeights
 from lightning_mp.numerics.scheduler_guard import SchedulerGuard
 from lightning_mp.numerics.sharding import is_sharded
@@ -60,8 +60,9 @@ class FitWiring:
         self.device_type = first.device.type if first is not None else "cpu"
         check_device_supports(self.format, self.device_type)
         # every rank takes the slowest rank's GEMM probe figures: one all-reduce of 4 floats, none in one process
-        verdict = (self.gemm.setup(self.device_type, self.format.dtype, hold_kernels, agree=agree_on_max_)
-                   if self.format.is_16bit else "")
+        agree = agree_on_max_ if world_size() > 1 else None  # one process: not even a read of the figures
+        verdict = self.gemm.setup(self.device_type, self.format.dtype, hold_kernels, agree) if self.format.is_16bit \
+            else ""
         fp8 = self.fp8.attach(root, self.device_type, self.format.dtype, self._keeps_fp32)
         verdict = "\n".join(filter(None, (verdict, fp8)))
         self._handles.extend((self.gemm, self.fp8))  # emulated GEMMs' kernels, FP8 Linears' forwards: until teardown
