@@ -25,6 +25,11 @@ LAUNCHER_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_", "RANK"
 def live_storage_bytes() -> int:
     """Every live tensor storage in this process, each counted once (found through the garbage collector), in
     bytes: what a run holds, counted from outside the package. Meta tensors hold nothing."""
+    return sum(live_storages().values())
+
+
+def live_storages() -> dict[int, int]:
+    """Every live tensor storage in this process: its address and its bytes (:func:`live_storage_bytes`)."""
     import torch
 
     seen: dict[int, int] = {}
@@ -37,7 +42,7 @@ def live_storage_bytes() -> int:
                     seen[storage.data_ptr()] = storage.nbytes()
             except Exception:  # noqa: BLE001 (objects the collector hands out can be half-built)
                 continue
-    return sum(seen.values())
+    return seen
 
 
 def clean_env(**extra: str) -> dict[str, str]:
