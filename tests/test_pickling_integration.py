@@ -109,3 +109,6 @@ def test_a_fabric_plugin_and_its_model_pickle_mid_run_with_their_hooks_on(knobs)
     loaded = torch.load(buffer, weights_only=False)
     assert state(loaded["plugin"]) == state(plugin)
     assert loaded["plugin"].describe() == plugin.describe()
+    if knobs["precision"] == "fp16":  # the loaded run still names a skipped step's gradient (Fabric connects once)
+        core = loaded["plugin"].core
+        assert core.step.on_overflow is not None and core.step.on_overflow.core is core

@@ -52,6 +52,17 @@ class LateSkip:
             core.step.deferral.enabled = False
 
 
+class LocateOverflow:
+    """``step.on_overflow`` of a run with the locator: a skipped step's first non-finite gradient named. An object, as
+    :class:`LateSkip`, so a plugin pickled mid-run (a Fabric loop's ``torch.save``) still locates after loading."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+
+    def __call__(self, optimizer: Any) -> None:
+        self.core.locator.locate_gradients(self.core.named_grads(optimizer))
+
+
 def stop_error(err: FloatingPointError, report: OverflowReport) -> FloatingPointError:
     """The scaler's stop (step, scale, hint) with where the step first went non-finite."""
     hint = ""

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_mp.core.skips import defer_flags, refuse_lbfgs
+from lightning_mp.core.skips import LocateOverflow, defer_flags, refuse_lbfgs
 from lightning_mp.doctor.locator import OverflowLocator
 from lightning_mp.formats import check_device_supports
 from lightning_mp.numerics.distributed import agree_on_max_, average_fp32_grads_per_step, world_size
@@ -84,7 +84,7 @@ class FitWiring:
         if self.locate_overflows:  # nothing on a clean step; a skip names the first non-finite gradient
             forward = self.locate_overflows == "forward"  # the forward checks from the first step (9-13% of a step)
             locator = self.locator = OverflowLocator(root, input_grads=False, forward=forward)
-            self.step.on_overflow = lambda optimizer: locator.locate_gradients(self.named_grads(optimizer))
+            self.step.on_overflow = LocateOverflow(self)
             self._handles.append(locator)
         return verdict
 

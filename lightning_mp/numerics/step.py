@@ -257,11 +257,10 @@ class MixedPrecisionStep:
             buf.zero_()  # the optimizer or the user may have written it since
         return buf
 
-    def __getstate__(self) -> dict[str, Any]:  # ddp_spawn, torch.save(trainer): no caches (weak references, tensors),
-        # nor the locator's hook (a fit's, set up again by the next connect)
+    def __getstate__(self) -> dict[str, Any]:  # ddp_spawn, torch.save(trainer): no caches (weak references, tensors)
         self.settle()
         state = dict(self.__dict__)
-        state["_layouts"], state["_zero_grads"], state["_last"], state["on_overflow"] = None, None, (0, None), None
+        state["_layouts"], state["_zero_grads"], state["_last"] = None, None, (0, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
