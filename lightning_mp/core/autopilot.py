@@ -49,7 +49,7 @@ from lightning_mp.core import agreement
 from lightning_mp.core.agreement import Agreed, Proposals
 from lightning_mp.doctor.report import OverflowReport
 from lightning_mp.formats import Format
-from lightning_mp.policy.modules import Fp32ForwardHooks
+from lightning_mp.policy.modules import Fp32Forwards
 from lightning_mp.policy.ops import DEFAULT_FP32_MODULES
 from lightning_mp.validation import check_int
 
@@ -167,7 +167,7 @@ class Autopilot:
         """Between steps: the queued modules run in FP32 from now on. Returns whether any moved (the caller then
         rebuilds the 16-bit copies, since these parameters keep none from now on)."""
         moved = False
-        hooks = Fp32ForwardHooks(self._device_type)
+        hooks = Fp32Forwards(self._device_type)
         for module, decision in self._pending:
             if any(self.keeps(m) for m in _ancestors(module, self._root)):
                 continue  # an enclosing module went first: this one is FP32 already

@@ -146,9 +146,6 @@ class Fp32Forwards:
         return [forward]
 
 
-Fp32ForwardHooks = Fp32Forwards  # the name core/autopilot.py imports
-
-
 # Forwards that compute in FP32 without an FP32 forward wherever the policy's kernels are active: one call to an op the
 # kernels compute in FP32 (they upcast its 16-bit inputs as the FP32 forward would; batch norm's takes a 16-bit input
 # as it is where the FP32 forward would too), or none that autocast touches (an FP32 table's lookup is FP32).
