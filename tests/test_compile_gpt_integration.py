@@ -68,6 +68,8 @@ def test_a_gpt_with_a_listed_fp32_module_compiles_whole_and_trains_as_eager(prec
         pytest.skip("inductor compiles C++ on the CPU: no C++ compiler (g++, c++, clang++) on the PATH")
     if precision == "fp8":
         pytest.importorskip("torchao", reason="precision='fp8' computes through torchao")
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():  # torchao's compiled FP8 model alone fails there too
+            pytest.skip("inductor's FP8 GEMMs on a CPU need bf16 arithmetic (oneDNN refuses them on AVX2)")
     eager, _ = losses(precision, compiled=False)
     compiled, graphs = losses(precision, compiled=True)  # before the FP32 forward, torch 2.11 raised here
     assert graphs == 1

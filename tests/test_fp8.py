@@ -224,6 +224,8 @@ def test_a_chosen_linear_compiles_whole_for_training_and_under_inference_mode(re
     """FP8 is fast only compiled: the evaluation's way out of inference mode must not cost a graph break per Linear
     (``torch.is_inference_mode_enabled`` cannot be traced: fullgraph raised). The compiled graph meets torchao's
     FP8 ops decomposed, so under inference mode it computes what it computes under no_grad."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():  # torchao's compiled FP8 alone: NaN or oneDNN's refusal
+        pytest.skip("inductor's FP8 GEMMs on a CPU need bf16 arithmetic (AVX2 here: torchao's own model fails too)")
     torch.manual_seed(0)
     linear = nn.Linear(64, 96).bfloat16()
     fp8 = Fp8Linears("fp8", Fp8Settings(recipe, (nn.Linear,)))
