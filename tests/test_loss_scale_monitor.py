@@ -8,7 +8,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_mp import LossScaleMonitor, MixedPrecisionPlugin
 from tests.conftest import TinyRegressor, TwoOptimizers, regression_data, trainer_kwargs
 
-SCALE, SKIPPED = "precision/loss_scale", "precision/skipped_steps"
+SCALE, SKIPPED, FORMAT = "precision/loss_scale", "precision/skipped_steps", "precision/format"
 
 
 class RecordingLogger(Logger):
@@ -57,7 +57,8 @@ def test_scale_curve_grows_backs_off_after_the_overflow_and_counts_the_skip():
         (6, 256.0), (7, 256.0), (8, 256.0), (9, 512.0),
     ]  # fmt: skip
     assert logger.series(SKIPPED) == [(s, 0.0) for s in range(5)] + [(s, 1.0) for s in range(5, 10)]
-    assert all(set(m) == {SCALE, SKIPPED} for _, m in logger.calls)
+    assert all(set(m) == {SCALE, SKIPPED, FORMAT} for _, m in logger.calls)
+    assert logger.series(FORMAT) == [(s, 11.0) for s in range(10)]  # fp16's significand: 11 bits
     assert all(isinstance(v, float) for _, m in logger.calls for v in m.values())
 
 

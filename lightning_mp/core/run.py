@@ -99,6 +99,7 @@ class MixedPrecisionCore(FitWiring):
         self.sharded = False
         self.root: nn.Module | None = None  # the module whose parameter names the reports and views use
         self._handles: list[Any] = []  # what connect installed, removed at teardown
+        self.calls: list[tuple[str, tuple]] = []  # convert/connect/... as the front end made them (core.ladder)
         self._hold: Any = None  # the policy's kernels, switched on for the whole fit (see forward_context)
 
     # ------------------------------------------------------------------ the step

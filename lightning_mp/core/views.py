@@ -3,35 +3,28 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_mp.core.arguments import make_core, screen_arguments
+from lightning_mp.core.ladder import Ladder, switch
 from lightning_mp.core.run import MixedPrecisionCore
 from lightning_mp.core.scaler_view import ScalerView
 from lightning_mp.doctor.report import OverflowReport
 from lightning_mp.formats import Format
-from lightning_mp.fp8 import DEFAULT_FP8_MODULES, DEFAULT_FP8_RECIPE, Fp8Settings
+from lightning_mp.fp8 import DEFAULT_FP8_MODULES, DEFAULT_FP8_RECIPE
 from lightning_mp.gemm.emulation import GemmEmulation
 from lightning_mp.numerics.loss_scaler import LossScaler, ScalerSettings
+from lightning_mp.numerics.sharding import fsdp_mp_policy
 from lightning_mp.numerics.step import MixedPrecisionStep
 from lightning_mp.policy.ops import DEFAULT_FP32_MODULES
 from lightning_mp.policy.policy import Fp32Policy
 
 _S = ScalerSettings  # the scaler's knobs and their defaults are declared once, there
-
-# Arguments of Lightning's own precision plugins (``MixedPrecision(precision, device, scaler)``) that have no place
-# here, and what to write instead.
-_FOREIGN_ARGUMENTS = {
-    "device": "the device is the Trainer's or Fabric's (accelerator='cuda' / 'cpu'): drop device=",
-    "scaler": "the loss scaler is built in (no torch.amp.GradScaler): drop scaler= and set loss_scale= "
-    "('dynamic', a number or None) and the scaler's knobs (init_scale=, growth_factor=, backoff_factor=, "
-    "growth_interval=, hysteresis=, min_scale=, max_scale=) by name",
-}
-
 
 class CoreViews:
     """What both front ends share: the constructor (one signature, every knob by name; the scaler's knobs and
@@ -41,24 +34,7 @@ class CoreViews:
     core: MixedPrecisionCore
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # Lightning's MixedPrecision(precision, device, scaler) arguments get a hint instead of Python's bare
-        # "unexpected keyword argument"; everything else is __init__'s (whose signature __signature__ shows)
-        for name, hint in _FOREIGN_ARGUMENTS.items():
-            if name in kwargs:
-                raise ValueError(
-                    f"{name}={kwargs[name]!r} is not an argument of {cls.__name__} (it is one of Lightning's "
-                    f"MixedPrecision). HINT: {hint}."
-                )
-        if len(args) > 1 and cls.__init__ is CoreViews.__init__:  # a subclass with its own __init__ decides itself
-            # Lightning's positional order, MixedPrecision("16-mixed", "cuda"): its device is the Trainer's here
-            foreign = list(_FOREIGN_ARGUMENTS)[: len(args) - 1]
-            named = ", ".join(f"{name}={value!r}" for name, value in zip(foreign, args[1:]))
-            raise ValueError(
-                f"{cls.__name__}({', '.join(map(repr, args))}): only `precision` is positional; in the order of "
-                f"Lightning's MixedPrecision(precision, device, scaler) the rest is {named}, which this plugin does "
-                f"not take. HINT: {'; '.join(_FOREIGN_ARGUMENTS[name] for name in foreign)}; every other argument "
-                "goes by name (master_weights=, loss_scale=, ...)."
-            )
+        screen_arguments(cls, args, kwargs, cls.__init__ is CoreViews.__init__)
         return super().__new__(cls)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -90,25 +66,54 @@ class CoreViews:
         min_scale: float = _S.min_scale,
         max_scale: float = _S.max_scale,
         max_consecutive_skips: int = _S.max_consecutive_skips,
+        schedule: Mapping[int | float, str | dict[str, Any]] | None = None,
     ) -> None:
-        self.core = MixedPrecisionCore(
-            precision, master_weights=master_weights, loss_scale=loss_scale, fp32_ops=fp32_ops,
-            fp32_modules=fp32_modules, calibration_steps=calibration_steps,
-            optimizer_state_dtype=optimizer_state_dtype, parity_guard=parity_guard,
-            skip_scheduler_on_overflow=skip_scheduler_on_overflow, check_finite=check_finite,
-            locate_overflows=locate_overflows, gemm=gemm, fp8=Fp8Settings(fp8_recipe, fp8_modules),
-            scaler=ScalerSettings(
-                init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-                growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
-                max_consecutive_skips=max_consecutive_skips,
-            ),
-        )  # fmt: skip
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "schedule", "__class__")}
+        defaults = {k: p.default for k, p in inspect.signature(CoreViews.__init__).parameters.items()
+                    if p.default is not inspect.Parameter.empty}
+        self.core = make_core(arguments)
+        self._ladder = Ladder(schedule, arguments, defaults, make_core)
         self.precision = self.core.format.lightning_precision  # what Lightning's Trainer.precision reports
         self._set_up_front_end()
 
     def _set_up_front_end(self) -> None:
         """The front end's own state (called at the end of ``__init__``)."""
         pass
+
+    def fsdp_mp_policy(self):
+        """The FSDP2 ``MixedPrecisionPolicy`` for this format (compute in it, reduce gradients in FP32): pass it to every
+        ``fully_shard(..., mp_policy=plugin.fsdp_mp_policy())``, in ``configure_model`` or a ``parallelize_fn``."""
+        return fsdp_mp_policy(self.core.format.dtype)
+
+    @property
+    def ladder(self) -> Ladder:
+        """The precision ``schedule``: its rungs (each the plugin's arguments with an entry applied; rung 0 is the
+        plugin's own), the step each begins at (``starts``, known once the fit runs) and the one computing now
+        (``current``); without a schedule, rung 0 alone."""
+        return self._ladder
+
+    def _follow_schedule(self, step: int, length: Callable[[], int | None]) -> None:
+        """Between optimizer steps, before step ``step``: the schedule's rung for it (``length``: the run's steps,
+        asked once, where the schedule has fractions)."""
+        rung = self._ladder.due(step, length, self.core)
+        if rung is not None:
+            self._switch_to(rung, step)
+
+    def _switch_to(self, rung: int, step: int | None) -> None:
+        """Between optimizer steps: the run goes on in rung ``rung`` of the schedule (:func:`~.ladder.switch`)."""
+        new = make_core(self._ladder.rungs[rung])
+        switch(self.core, new, step, self._ladder.describe(rung))
+        self.core, self._ladder.current = new, rung
+        self.precision = new.format.lightning_precision
+
+    def _plugin_state(self) -> dict[str, Any]:
+        return {**self.core.state_dict(), **self._ladder.state_dict()}
+
+    def _load_plugin_state(self, state: dict[str, Any], step: int | None) -> None:
+        rung = self._ladder.saved_rung(state)
+        if rung != self._ladder.current:  # the rung that wrote it, then its state (its scale, its decisions)
+            self._switch_to(rung, step)
+        self.core.load_state_dict(state)
 
     @property
     def device(self) -> str:

@@ -34,9 +34,11 @@ class FitWiring:
     locator: OverflowLocator | None
     _handles: list[Any]  # what connect installed, removed at teardown
     _hold: Any  # the policy's kernels, switched on for the whole fit (see forward_context)
+    calls: list[tuple[str, tuple]]  # the front end's calls below since the last teardown: a switch replays them
 
     def convert(self, module: nn.Module) -> nn.Module:
         """Watch ``module``'s parameters as FP32 masters (several calls: several models in one store)."""
+        self.calls.append(("convert", (module,)))
         self.sharded = is_sharded(module)
         if self.master_weights or self.lean is not None:  # parameters that become 16-bit copies or bf16 Parameters
             refuse_16_bit_batch_norm(module, self._keeps_fp32, self.policy.ops)
@@ -55,6 +57,7 @@ class FitWiring:
         ``model`` is what runs the forward (a DDP wrapper, say); ``root`` the module whose names reports use.
         ``hold_kernels=False``: the FP32 policy's and the emulated GEMMs' kernels are registered only for the blocks
         of ``forward_context()`` and the front end's backward (Fabric's, which has no end of fit)."""
+        self.calls.append(("connect", (model, root, optimizers, schedulers, hold_kernels)))
         self.root = root
         first = next(model.parameters(), None)
         self.device_type = first.device.type if first is not None else "cpu"
@@ -67,8 +70,8 @@ class FitWiring:
         verdict = "\n".join(filter(None, (verdict, fp8)))
         self._handles.extend((self.gemm, self.fp8))  # emulated GEMMs' kernels, FP8 Linears' forwards: until teardown
         refuse_lbfgs(optimizers, self.scaler.dynamic, self.lean is not None)
-        self.data_parallel(model)
-        self.guard_schedulers(schedulers)
+        self._data_parallel(model)
+        self._guard_schedulers(schedulers)
         if self.lean is not None:
             self.lean.watch(optimizers)
             self.step.apply = self.lean.step
@@ -92,13 +95,25 @@ class FitWiring:
         """With master weights, a DDP wrapper's own gradient sync goes off and the step averages the FP32 gradients
         once (:func:`~lightning_mp.numerics.distributed.average_fp32_grads_per_step`); anything else: nothing. From
         ``connect``, or later where the wrapper is made after it (Fabric wraps after ``convert_module``)."""
+        self.calls.append(("data_parallel", (model,)))  # a wrapper made after connect (Fabric's)
+        self._data_parallel(model)
+
+    def _data_parallel(self, model: nn.Module) -> None:
         if self.masters is not None:
             self._handles.extend(average_fp32_grads_per_step(model, self.step))
 
     def guard_schedulers(self, schedulers: Sequence[Any]) -> None:
         """With ``skip_scheduler_on_overflow``, these schedulers do not advance right after a skipped step."""
+        self.calls.append(("guard_schedulers", (schedulers,)))  # Fabric's plugin.guard_schedulers
+        self._guard_schedulers(schedulers)
+
+    def _guard_schedulers(self, schedulers: Sequence[Any]) -> None:
         if self.skip_scheduler_on_overflow and schedulers:
             self._handles.append(SchedulerGuard(list(schedulers), lambda: self.step.skipping))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (ddp_spawn's pickle, torch.save of a plugin mid-run) is not wired to any fit: no calls to replay
+        return {**self.__dict__, "calls": []}
 
     def teardown(self) -> None:
         """Hooks and kernels out, per-step state dropped: a failed fit leaves nothing for the next one."""
@@ -106,6 +121,7 @@ class FitWiring:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.calls = []
         self.step.on_overflow = None
         self.step.reset()  # a fit that failed mid-step leaves nothing for the next one
         if self.masters is not None:

@@ -24,8 +24,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp.core import CoreViews
+from lightning_mp.core.ladder import run_length
 from lightning_mp.numerics.checkpoint_compat import gradscaler_state, is_gradscaler_state, take_gradscaler_state
-from lightning_mp.numerics.sharding import fsdp_mp_policy
 
 
 
@@ -85,16 +85,14 @@ class MixedPrecisionPlugin(CoreViews, Precision):
         fp8_modules: with ``"fp8"``, which Linears: ``"default"`` (torchao's size rule, output head in bf16), or a
             list of module names and classes whose Linears compute in FP8; ``"auto"`` (alone or in the list): those,
             measured for ``calibration_steps`` steps in bf16, the ones FP8 hurts kept in bf16.
+        schedule: precision over the run, ``{when: what}``: ``when`` an optimizer step (int) or a fraction of
+            ``max_steps`` (float), ``what`` a precision or a dict of these arguments, from that step on:
+            ``MixedPrecisionPlugin("fp8", schedule={0.9: "bf16"})``. Switches between steps, masters and optimizer
+            state kept, on every rank at the same step (:mod:`lightning_mp.core.ladder`, ``docs/behaviour.md``).
     """
 
     def _set_up_front_end(self) -> None:
         self._lightning_module: LightningModule | None = None
-
-    def fsdp_mp_policy(self):
-        """The FSDP2 ``MixedPrecisionPolicy`` for this format: compute in it, reduce gradients in FP32.
-
-        Pass it to every ``fully_shard(..., mp_policy=plugin.fsdp_mp_policy())`` call in ``configure_model``."""
-        return fsdp_mp_policy(self.core.format.dtype)
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -129,6 +127,9 @@ class MixedPrecisionPlugin(CoreViews, Precision):
     @override
     @contextlib.contextmanager
     def train_step_context(self) -> Generator[None, None, None]:
+        if self._ladder.scheduled:  # global_step: the same on every rank and in every micro-batch of a step
+            trainer = self._lightning_module.trainer
+            self._follow_schedule(trainer.global_step, lambda: run_length(trainer))
         self.core.begin(force=True)  # a write through `.data` (WGAN's clamp) moves no version counter
         with self.forward_context():  # a subclass's override is entered, as Lightning's Precision does
             yield
@@ -227,14 +228,14 @@ class MixedPrecisionPlugin(CoreViews, Precision):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self.core.state_dict()
+        return self._plugin_state()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if is_gradscaler_state(state_dict):  # Lightning's deprecated alias of 16-mixed, under our key
             take_gradscaler_state(self.core.scaler, state_dict)
         else:
-            self.core.load_state_dict(state_dict)
+            self._load_plugin_state(state_dict, self._step_no())
 
 
 def _find_lightning_module(model: nn.Module) -> LightningModule | None:

@@ -92,6 +92,26 @@ def plugin_metrics(plugin: Any, loggers: Iterable[Any], logged: int, step: int) 
     return {**metrics, TAG_AUTO_COUNT: float(len(decisions))}, len(decisions)
 
 
+TAG_FORMAT = "precision/format"  # scalar: significand bits of the step's format (24 fp32, 11 fp16, 8 bf16, 4 fp8)
+TAG_SCHEDULE_TEXT = "precision/schedule"  # text: one entry per switch of a precision schedule
+
+
+def format_metrics(plugin: Any, loggers: Iterable[Any], seen: tuple[int, bool], step: int
+                   ) -> tuple[dict[str, float], tuple[int, bool]]:
+    """The step's format as a scalar and, where a precision schedule moved to another rung since the last point
+    (``seen``: its rung, and whether it scaled the loss), a text entry saying what changed (TensorBoard). Returns the
+    metrics and what this point saw."""
+    now = (plugin.ladder.current, plugin.scaler is not None)
+    if now[0] != seen[0]:
+        text = f"step {step}: {plugin.ladder.label(plugin.core)} ({plugin.ladder.describe(now[0])})"
+        if seen[1] and not now[1]:
+            text += "; the loss scale retires (1.0 from now on)"
+        for writer in (getattr(lg, "experiment", None) for lg in loggers):
+            if hasattr(writer, "add_text"):
+                writer.add_text(TAG_SCHEDULE_TEXT, text, step)
+    return {TAG_FORMAT: float(plugin.format.significand_bits)}, now
+
+
 TAG_AUTO_FP8_COUNT = "precision/auto_fp8_modules"  # scalar: Linears fp8_modules='auto' keeps in bf16
 TAG_AUTO_FP8_TEXT = "precision/auto_fp8_decisions"  # text: one entry per Linear kept in bf16, with its evidence
 

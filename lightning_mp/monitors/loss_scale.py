@@ -14,7 +14,13 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 # the shared base lives in monitor_base; these names stay importable from here
-from lightning_mp.monitors.base import _logger_step, _PrecisionMonitor, fp8_decision_metrics, plugin_metrics  # noqa: F401
+from lightning_mp.monitors.base import (  # noqa: F401
+    _logger_step,
+    _PrecisionMonitor,
+    format_metrics,
+    fp8_decision_metrics,
+    plugin_metrics,
+)
 from lightning_mp.validation import check_int
 
 
@@ -39,6 +45,10 @@ class LossScaleMonitor(_PrecisionMonitor):
                                       the module, the step and the evidence, at the first point after it
     ``precision/auto_fp8_modules``    with ``fp8_modules="auto"``, after calibration: Linears kept in bf16
     ``precision/auto_fp8_decisions``  text (TensorBoard), one entry per Linear kept in bf16, with its evidence
+    ``precision/format``              the step's format as the significand bits it multiplies in: 24 fp32,
+                                      11 fp16, 8 bf16, 4 fp8 (e4m3); it moves where a ``schedule`` switches
+    ``precision/schedule``            text (TensorBoard), one entry per switch of the precision schedule: the
+                                      step, the new setting, and whether the loss scale retired
     ``precision/parity_drift``        with ``master_weights="compensated"`` and ``parity_guard``: relative drift
                                       of the lean parameters from their FP32 shadows after the step
     ``precision/parity_lost_fraction`` the fraction of the shadows' updates the lean values lost
@@ -67,6 +77,13 @@ class LossScaleMonitor(_PrecisionMonitor):
         )
         super().__init__()
         self.logging_interval = logging_interval
+        self._seen_rung = (0, False)  # the precision schedule's rung at the last point, and whether it scaled
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if self._plugin is not None:  # a resumed run starts in its checkpoint's rung: no switch to report
+            self._seen_rung = (self._plugin.ladder.current, self._plugin.scaler is not None)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -84,6 +101,8 @@ class LossScaleMonitor(_PrecisionMonitor):
         }
         auto, self._logged_decisions = plugin_metrics(plugin, trainer.loggers, self._logged_decisions, step)
         metrics.update(auto)
+        fmt, self._seen_rung = format_metrics(plugin, trainer.loggers, self._seen_rung, step)
+        metrics.update(fmt)
         fp8, self._logged_fp8_decisions = fp8_decision_metrics(plugin, trainer.loggers, self._logged_fp8_decisions, step)
         metrics.update(fp8)
         for logger in trainer.loggers:
