@@ -60,18 +60,26 @@ class Ladder:
             schedule = {}
         if not isinstance(schedule, Mapping):
             raise ValueError(f"schedule={schedule!r} is not allowed: use a dict {{step or fraction: precision or "
-                             "dict of arguments}}, e.g. {0.9: 'bf16'}, or None.")
+                             "dict of arguments}, e.g. {0.9: 'bf16'}, or None.")
         self.whens = [_check_when(when) for when in schedule]
-        if len(set(self.whens)) < len(self.whens):
-            raise ValueError(f"schedule={dict(schedule)!r} names one step twice.")
-        order = sorted(range(len(self.whens)), key=lambda i: (isinstance(self.whens[i], int), self.whens[i]))
+        if len({type(when) for when in self.whens}) > 1:
+            # each entry applies to the rung before it, so the rungs need their order now, and a fraction's place
+            # among the steps is known only from the run's length (at the fit's first step)
+            raise ValueError(f"schedule={dict(schedule)!r} mixes optimizer steps (int) and fractions of the run "
+                             "(float): their order is known only from the run's length. HINT: write every key as a "
+                             "step, or every key as a fraction.")
+        order = sorted(range(len(self.whens)), key=lambda i: self.whens[i])
         self.whens = [self.whens[i] for i in order]
         entries = [list(schedule.values())[i] for i in order]
         self.rungs = [arguments]
         for when, entry in zip(self.whens, entries):
-            self.rungs.append(_apply(self.rungs[-1], _entry(when, entry, defaults), defaults))
-        for rung in self.rungs[1:]:
-            make_core(rung)  # checks every argument now
+            entry = _entry(when, entry, defaults)
+            try:  # every argument checked now, by the constructor a switch calls
+                rung = _apply(self.rungs[-1], entry, defaults)
+                make_core(rung)
+            except ValueError as error:  # the argument's own message, and the entry that set it
+                raise ValueError(f"schedule[{when!r}]={entry!r}: {error}") from None
+            self.rungs.append(rung)
         self.make_core = make_core
         self.starts: list[int] | None = None  # resolved: the step each rung >= 1 begins at
         self.current = 0
@@ -211,9 +219,7 @@ def _entry(when: Any, entry: Any, defaults: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(entry) - set(defaults) - {"precision"})
     if unknown or "schedule" in entry:
         raise ValueError(f"schedule[{when!r}] names {unknown or ['schedule']}, which the plugin does not take there. "
-                         f"Allowed: 'precision', {', '.join(repr(k) for k in defaults if k != 'schedule')}.")
-    if "precision" in entry:
-        resolve_precision(entry["precision"])  # the error names the spellings
+                         f"Allowed: {', '.join(repr(k) for k in defaults if k != 'schedule')}.")
     return dict(entry)
 
 
