@@ -1,0 +1,206 @@
+"""The precision ``schedule`` under Fabric, one process (lightning_mp.core.ladder): each switch between optimizer
+steps (the step count is the plugin's count of ``optimizer.step()`` calls), what each rung computes in, the
+Parameters and optimizer state kept, and a checkpoint written before or after the switch resuming into the right
+format at the right step, bit for bit."""
+
+import logging
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_mp.fabric import MixedPrecisionPlugin
+from lightning_mp.fp8.linears import Fp8Forward
+
+SWITCH = 3  # the first optimizer step computed in the new setting
+STEPS = 6
+
+
+def net():
+    torch.manual_seed(0)  # 16-wide Linears: torchao's FP8 matmul takes them (dims multiple of 16)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)  # the data of step s, whatever the process that computes it
+    return torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+
+
+def plugin_for(precision, schedule, **kwargs):
+    if precision == "lean":
+        precision, kwargs = "bf16", {"master_weights": "compensated", **kwargs}
+    if precision == "fp8":
+        kwargs = {"fp8_modules": [nn.Linear], **kwargs}  # both Linears (the default keeps the output head in bf16)
+    return MixedPrecisionPlugin(precision, schedule=schedule, **kwargs)
+
+
+class Run:
+    """A Fabric loop; per step (before its forward) what the user sees: the plugin's format, the first Linear's
+    output dtype inside the forward, whether its forward is torchao's FP8 one, the scale and the 16-bit copies."""
+
+    def __init__(self, plugin):
+        self.plugin = plugin
+        self.fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        self.net = net()
+        self.model, self.opt = self.fabric.setup(self.net, torch.optim.AdamW(self.net.parameters(), lr=1e-2))
+        self.params = list(self.net.parameters())
+        self.seen, self.steps, self.weights = [], [], []
+        self.net[0].register_forward_hook(self._hook)
+
+    def _hook(self, module, args, out):
+        self.seen.append(out.dtype)
+
+    def save(self, path):
+        self.fabric.save(path, {"model": self.model, "optimizer": self.opt, "precision": self.plugin,
+                                "step": self.start})
+
+    def load(self, path):
+        self.plugin.setup_optimizers(self.opt)  # lean bf16's documented resume order: its FP32 state stays FP32
+        state = {"model": self.model, "optimizer": self.opt, "precision": self.plugin, "step": 0}
+        self.fabric.load(path, state)
+        self.start = state["step"]
+
+    start = 0
+
+    def train(self, steps, poison=()):
+        for step in range(self.start, self.start + steps):
+            x, y = batch(step)
+            p = self.plugin
+            row = {"step": step, "format": p.format.name, "scale": p.loss_scale, "scaler": p.scaler is not None,
+                   "masters": p.core.masters is not None, "lean": p.core.lean is not None}
+            out = self.model(x)
+            row["dtype"] = self.seen[-1]
+            # the FP8 forward is the Linear's own ``forward`` attribute for the fit (lightning_mp.fp8.linears)
+            row["fp8"] = isinstance(self.net[0].__dict__.get("forward"), Fp8Forward)
+            row["out"] = out.dtype
+            loss = nn.functional.mse_loss(out, y)
+            if step in poison:
+                loss = loss * float("inf")
+            self.fabric.backward(loss)
+            self.opt.step()
+            self.opt.zero_grad()
+            self.steps.append(row)
+            self.weights.append([t.detach().clone() for t in self.net.state_dict().values()])
+        self.start += steps
+        return self
+
+
+def column(run, key):
+    return [row[key] for row in run.steps]
+
+
+def bitwise(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def final(run):
+    return [t.detach() for t in run.net.state_dict().values()]
+
+
+def test_fp16_to_bf16_retires_the_loss_scale_and_says_so(caplog):
+    with caplog.at_level(logging.INFO, logger="lightning_mp.plugin"):
+        run = Run(plugin_for("fp16", {SWITCH: "bf16"}, init_scale=2.0**8)).train(STEPS, poison={1})
+    before, after = [torch.float16] * SWITCH, [torch.bfloat16] * (STEPS - SWITCH)
+    assert column(run, "format") == ["fp16"] * SWITCH + ["bf16"] * (STEPS - SWITCH)
+    assert column(run, "dtype") == before + after  # what the Linears computed in, step by step
+    assert column(run, "out") == [torch.float32] * STEPS  # the loop's loss is FP32 in both rungs
+    # the scale: 2^8, halved by the overflow at step 1, then retired for good
+    assert column(run, "scale") == [2.0**8, 2.0**8, 2.0**7] + [1.0] * (STEPS - SWITCH)
+    assert column(run, "scaler") == [True] * SWITCH + [False] * (STEPS - SWITCH)
+    assert run.plugin.loss_scale == 1.0 and run.plugin.scaler is None
+    assert run.plugin.skipped_steps == 1 and run.plugin.training_steps == STEPS  # the counters carried over
+    assert run.plugin.ladder.current == 1 and run.plugin.ladder.starts == [SWITCH]
+    lines = [r.getMessage() for r in caplog.records if "precision schedule" in r.getMessage()]
+    assert len(lines) == 1 and f"from step {SWITCH} on, bf16" in lines[0] and "loss scale retires" in lines[0]
+    assert all(torch.isfinite(t).all() and t.dtype == torch.float32 for t in final(run))
+
+
+def test_fp8_to_bf16_takes_the_fp8_forwards_off_the_same_parameters_and_keeps_the_optimizer_state():
+    pytest.importorskip("torchao", reason="precision='fp8' needs torchao")
+    run = Run(plugin_for("fp8", {SWITCH: "bf16"})).train(STEPS)
+    assert column(run, "fp8") == [True] * SWITCH + [False] * (STEPS - SWITCH)
+    assert column(run, "format") == ["fp8"] * SWITCH + ["bf16"] * (STEPS - SWITCH)
+    assert column(run, "dtype") == [torch.bfloat16] * STEPS
+    assert "forward" not in run.net[0].__dict__ and "forward" not in run.net[2].__dict__  # plain Linears again
+    # the same Parameter objects, in the optimizer too, and AdamW's state went on from step SWITCH (not restarted)
+    assert [id(p) for p in run.net.parameters()] == [id(p) for p in run.params]
+    assert [id(p) for p in run.opt.param_groups[0]["params"]] == [id(p) for p in run.params]
+    assert all(run.opt.state[p]["step"].item() == STEPS for p in run.params)
+    # the bf16 rung computes as a bf16 run does from the same weights and optimizer state: the switch lost nothing
+    reference = Run(plugin_for("bf16", None))
+    reference.net.load_state_dict(dict(zip(reference.net.state_dict(), run.weights[SWITCH - 1])))
+    reference.opt.load_state_dict(_opt_after(plugin_for("fp8", None), SWITCH))
+    reference.start = SWITCH
+    reference.train(STEPS - SWITCH)
+    assert bitwise(final(reference), final(run))
+
+
+def _opt_after(plugin, steps):
+    """The optimizer state of a run of ``plugin`` after ``steps`` steps."""
+    return Run(plugin).train(steps).opt.state_dict()
+
+
+def test_lean_bf16_to_fp32_masters_rebuilds_the_masters_exactly():
+    # in one process lean bf16 (bf16 Parameters + exact remainders, FP32 optimizer state) trains bit for bit as
+    # bf16 with FP32 masters: the schedule's run must equal the masters' run at every step, across the switch
+    run = Run(plugin_for("lean", {SWITCH: {"master_weights": True}})).train(STEPS)
+    masters = Run(plugin_for("bf16", None)).train(STEPS)
+    assert column(run, "lean") == [True] * SWITCH + [False] * (STEPS - SWITCH)
+    assert column(run, "masters") == [False] * SWITCH + [True] * (STEPS - SWITCH)
+    assert column(run, "dtype") == [torch.bfloat16] * STEPS
+    for step, (a, b) in enumerate(zip(run.weights, masters.weights)):
+        assert bitwise(a, b), step
+    assert all(p.dtype == torch.float32 for p in run.net.parameters())
+    moments = [v for s in run.opt.state.values() for k, v in s.items() if k != "step"]
+    assert moments and all(v.dtype == torch.float32 for v in moments)
+
+
+def test_bf16_to_fp32_computes_in_fp32_and_frees_the_16_bit_copies():
+    run = Run(plugin_for("bf16", {SWITCH: "fp32"})).train(STEPS)
+    assert column(run, "dtype") == [torch.bfloat16] * SWITCH + [torch.float32] * (STEPS - SWITCH)
+    assert column(run, "masters") == [True] * SWITCH + [False] * (STEPS - SWITCH)
+    assert run.plugin.core.masters is None and run.plugin.format.name == "fp32"
+    # no bf16 tensor of the model's shapes is left on the model (its copies went with the rung)
+    shapes = {tuple(p.shape) for p in run.net.parameters()}
+    left = [t for t in list(run.net.buffers()) + list(run.net.parameters()) if t.dtype == torch.bfloat16]
+    assert not [t for t in left if tuple(t.shape) in shapes]
+
+
+CHECKPOINTED = [
+    ("fp16", "bf16", {"init_scale": 2.0**8}, {1}),
+    ("fp8", "bf16", {}, ()),
+    ("lean", {"master_weights": True}, {}, ()),
+    ("bf16", "fp32", {}, ()),
+]
+
+
+@pytest.mark.parametrize("saved_at", [SWITCH - 1, SWITCH, SWITCH + 1], ids=["before", "at", "after"])
+@pytest.mark.parametrize("first, then, kwargs, poison", CHECKPOINTED, ids=[c[0] for c in CHECKPOINTED])
+def test_a_checkpoint_across_the_switch_resumes_in_the_right_format_bit_for_bit(tmp_path, first, then, kwargs,
+                                                                                   poison, saved_at):
+    if first == "fp8":
+        pytest.importorskip("torchao", reason="precision='fp8' needs torchao")
+    schedule = {SWITCH: then}
+    straight = Run(plugin_for(first, schedule, **kwargs)).train(STEPS, poison=poison)
+    Run(plugin_for(first, schedule, **kwargs)).train(saved_at, poison=poison).save(tmp_path / "ckpt.pt")
+    resumed = Run(plugin_for(first, schedule, **kwargs))
+    resumed.load(tmp_path / "ckpt.pt")
+    assert resumed.start == saved_at
+    assert resumed.plugin.ladder.current == (saved_at >= SWITCH)  # the rung that wrote it
+    assert resumed.plugin.training_steps == saved_at and resumed.plugin.skipped_steps == straight.plugin.skipped_steps
+    resumed.train(STEPS - saved_at, poison=poison)
+    # each resumed step computed as the uninterrupted run's same step did
+    for key in ("format", "dtype", "fp8", "scale", "masters", "lean"):
+        assert column(resumed, key) == column(straight, key)[saved_at:], key
+    assert bitwise(final(resumed), final(straight))
+    assert resumed.plugin.core.scaler.state_dict() == straight.plugin.core.scaler.state_dict()
+
+
+def test_a_fraction_of_the_run_is_refused_under_fabric_when_the_plugin_is_made():
+    # Fabric has no run length: refused at construction, before a step is computed (not after the first one)
+    with pytest.raises(ValueError, match=r"schedule=\{0\.5: \.\.\.\}: a fraction of the run needs its length.*"
+                                         r"HINT: give the step as an int.*Fabric has no length"):
+        plugin_for("fp16", {0.5: "bf16"})
+    with pytest.raises(ValueError, match=r"a fraction of the run needs its length"):
+        plugin_for("bf16", {0.5: "fp32", 0.9: "bf16"})
