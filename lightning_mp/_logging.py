@@ -28,7 +28,11 @@ class _ProgressBarSafeHandler(logging.Handler):
 
 
 def install() -> None:
-    """Once per process (at import): the ``lightning_mp`` logger prints warnings without garbling progress bars."""
-    logger = logging.getLogger("lightning_mp")
-    if not any(isinstance(h, _ProgressBarSafeHandler) for h in logger.handlers):
-        logger.addHandler(_ProgressBarSafeHandler(logging.WARNING))
+    """Once per process (at import): the ``lightning_mp`` logger prints warnings without garbling progress bars, and
+    ``lightning_mp.schedule`` (a precision schedule's switches, one line each on rank 0) its infos too."""
+    for name, level in (("lightning_mp", logging.WARNING), ("lightning_mp.schedule", logging.INFO)):
+        logger = logging.getLogger(name)
+        if not any(isinstance(h, _ProgressBarSafeHandler) for h in logger.handlers):
+            logger.addHandler(_ProgressBarSafeHandler(level))
+        if level < logging.WARNING and logger.level == logging.NOTSET:
+            logger.setLevel(level)

@@ -118,13 +118,28 @@ def test_yaml_config_sets_the_plugin_and_its_init_args(run_train_gpt, tmp_path):
     assert again["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
 
 
-@pytest.mark.parametrize("config", ["gpt_fp32.yaml", "gpt_fp16.yaml", "gpt_bf16.yaml"])
+@pytest.mark.parametrize("config", ["gpt_fp32.yaml", "gpt_fp16.yaml", "gpt_bf16.yaml", "gpt_fp16_to_bf16.yaml"])
 def test_shipped_configs_parse(train_gpt, monkeypatch, capsys, config):
     monkeypatch.setattr(sys, "argv", ["gpt_run.py"])
     with pytest.raises(SystemExit) as exit_info:
         train_gpt.TrainGPTCLI(["--config", str(EXAMPLES / "configs" / config), "--print_config"])
     assert exit_info.value.code == 0
     assert f"precision: {config.split('_')[1].split('.')[0]}" in capsys.readouterr().out
+
+
+def test_shipped_schedule_config_switches_fp16_to_bf16_at_90_percent(run_train_gpt, tmp_path):
+    """examples/configs/gpt_fp16_to_bf16.yaml: the schedule goes through the CLI from YAML (a float key), and
+    TensorBoard's precision/format drops from fp16's 11 significand bits to bf16's 8 at step 9 of 10, the loss scale
+    to 1.0 with it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    summary = run_train_gpt("--config", str(EXAMPLES / "configs" / "gpt_fp16_to_bf16.yaml"), "--trainer.max_steps", "10")
+    assert summary["steps"] == 10 and summary["loss_scale"] == 1.0
+    acc = EventAccumulator(summary["log_dir"])
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("precision/format")] == [(s, 11.0 if s < 9 else 8.0)
+                                                                            for s in range(10)]
+    assert [e.value for e in acc.Scalars("precision/loss_scale")][8:] == [65536.0, 1.0]
 
 
 def test_native_bf16_reference_run(run_train_gpt):

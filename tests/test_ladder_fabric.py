@@ -99,7 +99,7 @@ def final(run):
 
 
 def test_fp16_to_bf16_retires_the_loss_scale_and_says_so(caplog):
-    with caplog.at_level(logging.INFO, logger="lightning_mp.plugin"):
+    with caplog.at_level(logging.INFO, logger="lightning_mp.schedule"):
         run = Run(plugin_for("fp16", {SWITCH: "bf16"}, init_scale=2.0**8)).train(STEPS, poison={1})
     before, after = [torch.float16] * SWITCH, [torch.bfloat16] * (STEPS - SWITCH)
     assert column(run, "format") == ["fp16"] * SWITCH + ["bf16"] * (STEPS - SWITCH)

@@ -72,3 +72,35 @@ def test_a_skip_line_starts_its_own_line_under_the_tqdm_bar(tmp_path):
     # without the package's handler the same line lands after the bar's text (the check above can fail)
     lines = _run_in_terminal(tmp_path, {"WITHOUT_HANDLER": "1"})
     assert any(re.search(r"it/s[^\]]*\].*step 3 skipped", line) for line in lines), lines
+
+
+SWITCH = """
+import lightning as L, torch
+from torch import nn
+from lightning_mp import MixedPrecisionPlugin
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(8, 1)
+
+    def training_step(self, batch, i):
+        return self.net(batch[0]).float().pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(48, 8)), batch_size=8)
+L.Trainer(max_steps=4, plugins=[MixedPrecisionPlugin("fp16", schedule={2: "bf16"})], accelerator="cpu", logger=False,
+          enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False).fit(Model(), data)
+"""
+
+
+def test_a_schedules_switch_is_printed_with_no_logging_configured():
+    """The fit's log says what changed at which step, as Lightning's own lines are printed: a user who configured no
+    logging still sees it (lightning_mp.schedule's infos), once."""
+    out = subprocess.run([sys.executable, "-c", SWITCH], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if "precision schedule" in line]
+    assert lines == ["precision schedule: from step 2 on, bf16 (was fp16, loss scale 'dynamic'): precision='bf16'. "
+                     "The loss scale retires (1.0 from now on)."]

@@ -40,8 +40,9 @@ from typing import Any
 import torch
 
 from lightning_mp.formats import resolve_precision
+from lightning_mp.numerics.distributed import rank
 
-log = logging.getLogger("lightning_mp.plugin")
+log = logging.getLogger("lightning_mp.schedule")  # infos printed (lightning_mp._logging), on rank 0
 
 # the arguments a precision cannot take unless the entry names them, and their defaults
 _FP8_ONLY = ("fp8_recipe", "fp8_modules")
@@ -175,7 +176,8 @@ def switch(old: Any, new: Any, step: int | None, rung: str) -> None:
         new.autopilot.load_state_dict(state["auto_fp32_modules"])  # modules moved to FP32 stay there
     new.last_overflow = old.last_overflow
     retired = " The loss scale retires (1.0 from now on)." if old.scaler.enabled and not new.scaler.enabled else ""
-    log.info("precision schedule: from step %s on, %s (was %s): %s.%s", step, label(new), label(old), rung, retired)
+    if rank() == 0:
+        log.info("precision schedule: from step %s on, %s (was %s): %s.%s", step, label(new), label(old), rung, retired)
 
 
 def label(core: Any) -> str:
