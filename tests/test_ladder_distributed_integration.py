@@ -1,0 +1,89 @@
+"""The precision ``schedule`` on two gloo CPU ranks (tests/ladder_worker.py): Fabric and the Trainer, DDP and FSDP2
+(``fully_shard`` per Linear and at the root). Every rank switches at the same step, computes each step in the same
+format and ends with the same FP32 weights; an overflow on one rank before the switch is skipped on both, so the
+switch stays aligned; FSDP2 refuses a change of the compute dtype by name. One launch runs every phase in the same
+two processes (each phase with a Fabric or a Trainer of its own)."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmarks.harness import clean_env, exit_abort_after_results
+from tests.ladder_worker import STEPS, SWITCH
+
+WORKER = os.path.join(os.path.dirname(__file__), "ladder_worker.py")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available"),
+]
+
+SWITCHED = ["fabric-ddp-fp16-bf16", "trainer-ddp-fp16-bf16", "fabric-fsdp2-fp8-bf16", "trainer-fsdp2-fp8-bf16",
+            "trainer-fsdp2-lean-masters"]  # lean bf16 under Fabric's ModelParallelStrategy: refused, schedule or not
+REFUSED = ["fabric-fsdp2-bf16-fp16", "trainer-fsdp2-bf16-fp16"]
+
+
+def launch(out, phases, devices=2):
+    """One process per rank with the environment torchrun sets (Fabric and the Trainer then launch nothing)."""
+    out.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(devices), NODE_RANK="0")
+    cmd = [sys.executable, WORKER, "--out", str(out), "--phases", ",".join(phases)]
+    procs = [subprocess.Popen(cmd, env={**env, "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(devices)]
+    for proc in procs:
+        output, _ = proc.communicate(timeout=420)
+        done = subprocess.CompletedProcess(cmd, proc.returncode, output, output)
+        assert proc.returncode == 0 or exit_abort_after_results(done, out, devices), output[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("ladder"), SWITCHED + REFUSED)
+
+
+def expected(phase):
+    """Per step: (step, format, the first Linear's output dtype, FP8 forward, masters, loss scale)."""
+    *_, first, then = phase.split("-")
+    before = {"fp16": ("fp16", "torch.float16", False, "fp32"), "fp8": ("fp8", "torch.bfloat16", True, "fp32"),
+              "lean": ("bf16", "torch.bfloat16", False, "lean")}[first]
+    after = ("bf16", "torch.bfloat16", False, "fp32")
+    # fp16: the scale 2^8 halves at rank 1's overflow (step 1) and retires at the switch
+    scales = [2.0**8, 2.0**8, 2.0**7] if first == "fp16" else [1.0] * SWITCH
+    return [(s, *before, scales[s]) if s < SWITCH else (s, *after, 1.0) for s in range(STEPS)]
+
+
+@pytest.mark.parametrize("phase", SWITCHED)
+def test_both_ranks_switch_at_the_same_step_and_end_with_equal_fp32_weights(ranks, phase):
+    r0, r1 = (r[phase] for r in ranks)
+    assert "error" not in r0 and "error" not in r1, r0.get("error") or r1.get("error")
+    assert r0["rows"] == r1["rows"] == expected(phase)  # each step in the same format on both ranks
+    assert r0["starts"] == r1["starts"] == [SWITCH] and r0["rung"] == r1["rung"] == 1
+    assert r0["state"].keys() == r1["state"].keys()
+    for k in r0["state"]:
+        assert r0["state"][k].dtype == torch.float32, k
+        assert torch.isfinite(r0["state"][k]).all(), k
+        assert torch.equal(r0["state"][k], r1["state"][k]), k
+    if phase.startswith("trainer"):
+        assert r0["global_step"] == r1["global_step"] == STEPS
+
+
+@pytest.mark.parametrize("phase", [p for p in SWITCHED if "fp16" in p])
+def test_an_overflow_on_one_rank_before_the_switch_is_skipped_on_both_and_the_scale_retires(ranks, phase):
+    r0, r1 = (r[phase] for r in ranks)
+    assert r0["skipped"] == r1["skipped"] == 1  # rank 1's overflow at step 1, skipped on both
+    assert r0["scale"] == r1["scale"] == 1.0 and not r0["scaler"] and not r1["scaler"]  # retired at the switch
+
+
+@pytest.mark.parametrize("phase", REFUSED)
+def test_fsdp2_refuses_a_schedule_that_changes_the_gathered_dtype_on_both_ranks(ranks, phase):
+    messages = [r[phase].get("error", "") for r in ranks]
+    assert messages[0] == messages[1]
+    assert "rung 1 computes in 'fp16' (torch.float16) and the model is sharded by fully_shard" in messages[0]
+    assert "HINT: under FSDP2 schedule changes that keep the compute dtype: 'fp8' <-> 'bf16'" in messages[0]
