@@ -129,9 +129,25 @@ class FirstForward:
         for module in self._unconverted:
             self.core.convert(module)  # sharded by now (FSDP2: the shards are the masters) or wrapped (DDP)
         self._unconverted.clear()
+        for module in modules:
+            self._refuse_lean_converted_before_sharding(module)
         root = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
         if self.core.connect(root, root, [], [], hold_kernels=False) and self.core.fp8.enabled:
             rank_zero_info(self.core.fp8.describe())  # which Linears compute in FP8, and emulated or not
+
+    def _refuse_lean_converted_before_sharding(self, module: nn.Module) -> None:
+        # lean bf16 converts at convert_module (DDP then wraps the bf16 Parameters), but fully_shard runs after it and
+        # replaces every Parameter with a new DTensor one: the remainders belong to Parameters no longer in the model
+        if self.core.lean is None or self.core.sharded or not is_sharded(module):
+            return
+        raise NotImplementedError(
+            f"lightning_mp.fabric.MixedPrecisionPlugin(precision={self.core.format.name!r}, "
+            f"master_weights='compensated') under ModelParallelStrategy: {type(module).__name__} was converted at "
+            "fabric.setup, before fully_shard replaced its Parameters, so the optimizer would step the bf16 shards "
+            "without their remainders and model.state_dict() (fabric.save) would hold the weights of fabric.setup. "
+            "HINT: under ModelParallelStrategy use the default master_weights=True (the FP32 shards are the masters); "
+            "master_weights='compensated' works under strategy='ddp'."
+        )
 
     def _first_call(self, module: nn.Module, wrapper: DistributedDataParallel | None) -> None:
         self.set_up()
