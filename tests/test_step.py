@@ -249,7 +249,7 @@ def test_the_layout_is_kept_across_steps_and_rebuilt_only_when_gradients_or_grou
     step = MixedPrecisionStep(LossScaler(None))
 
     def builds():
-        with mock.patch("lightning_mp.numerics.step.GradLayout", wraps=GradLayout) as built:
+        with mock.patch("lightning_mp.numerics.step_grads.GradLayout", wraps=GradLayout) as built:
             step.unscale_(opt)
             step.end_training_step()
         return built.call_count

@@ -28,15 +28,15 @@ mixed precision casts fresh ones at every forward.
 Several ranks (DDP, FSDP2): the set-up waits for what the strategy made of the model (:mod:`.first_call`).
 
 Fabric has no ``connect`` and no end of fit: the one-time set-up that needs the device runs on the first forward,
-which also registers the FP32 policy's kernels for the plugin's life, switched on only inside forwards and backwards
-(the emulated GEMMs' kernels: from a forward to the end of its backward). What that costs where: :mod:`.kernels`.
+which also registers the FP32 policy's kernels for the plugin's life, switched on from a forward to the end of its
+backward (the emulated GEMMs' kernels held over the same span). What that costs where: :mod:`.kernels`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ from typing_extensions import override
 from lightning_mp.core import CoreViews, MixedPrecisionCore
 from lightning_mp.core.skips import refuse_lbfgs
 from lightning_mp.fabric.first_call import FirstForward
+from lightning_mp.fabric.forward import ForwardContext
 from lightning_mp.fabric.kernels import KernelHold
 from lightning_mp.formats import upcast
 from lightning_mp.numerics.checkpoint_compat import is_gradscaler_state, take_gradscaler_state
@@ -131,20 +132,7 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
     # ------------------------------------------------------------------ forward
     @override
     def forward_context(self) -> contextlib.AbstractContextManager:
-        return self._forward_context()
-
-    @contextlib.contextmanager
-    def _forward_context(self) -> Generator[None, None, None]:
-        self._first_forward.set_up()
-        self.core.begin(force=self._force_refresh)
-        self._force_refresh = False
-        gemms = self.core.format.is_16bit and self._kernels.forward()  # the policy's: registered once (.kernels)
-        try:
-            with self.core.forward_context():
-                yield
-        finally:
-            if gemms and not torch.is_grad_enabled():  # no backward follows (evaluation): the GEMMs' out at once
-                self._kernels.backward_done()
+        return ForwardContext(self)
 
     @override
     def convert_input(self, data: Any) -> Any:
@@ -171,10 +159,13 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
     def backward(  # type: ignore[override]
         self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any
     ) -> None:
-        # the policy's kernels for the block too: checkpointing recomputes forwards inside the backward
-        policy = self.core.policy.op_context() if self.core.format.is_16bit else contextlib.nullcontext()
+        # the policy's kernels on (from the forward, or from here): checkpointing recomputes forwards inside it
+        fallback = None
+        if self.core.format.is_16bit:
+            self._kernels.forward()
+            fallback = self.core.policy.fallback_mode()  # fp32_ops without an aten op: a torch-function mode
         try:
-            with policy, self.core.backward_context():
+            with fallback or contextlib.nullcontext(), self.core.backward_context():
                 super().backward(self.core.scale_loss(tensor), model, *args, **kwargs)
         finally:
             self._kernels.backward_done()
