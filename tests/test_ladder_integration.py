@@ -213,6 +213,19 @@ def test_fp16_to_bf16_retires_the_loss_scale_and_the_monitor_says_so():
     assert text.startswith(f"step {SWITCH}: bf16") and "the loss scale retires" in text
 
 
+def test_the_monitor_names_each_switch_at_its_step_when_it_logs_every_few_steps():
+    logger = TextLogger()
+    plugin = MixedPrecisionPlugin("fp16", schedule={1: "bf16", 3: "fp32", 4: "bf16"})
+    fit(plugin, callbacks=[LossScaleMonitor()], logger=logger, log_every_n_steps=3)  # points at steps 2 and 5
+    assert logger.series("precision/format") == [(2, 8.0), (5, 8.0)]
+    # each switch named by the step it began at; the point at step 5 saw two since the one before: an entry each
+    assert [(tag, step) for tag, _, step in logger.texts] == [("precision/schedule", 2)] + [("precision/schedule", 5)] * 2
+    texts = [text for _, text, _ in logger.texts]
+    assert texts[0].startswith("step 1: bf16") and "the loss scale retires" in texts[0]
+    assert texts[1] == "step 3: precision='fp32'"
+    assert texts[2].startswith("step 4: bf16 (precision='bf16')") and "retires" not in texts[2]
+
+
 def test_fp16_to_bf16_logs_the_switch_in_the_fits_log(caplog):
     with caplog.at_level("INFO", logger="lightning_mp.schedule"):
         fit(MixedPrecisionPlugin("fp16", schedule={SWITCH: "bf16"}))

@@ -101,14 +101,21 @@ def format_metrics(plugin: Any, loggers: Iterable[Any], seen: tuple[int, bool], 
     """The step's format as a scalar and, where a precision schedule moved to another rung since the last point
     (``seen``: its rung, and whether it scaled the loss), a text entry saying what changed (TensorBoard). Returns the
     metrics and what this point saw."""
-    now = (plugin.ladder.current, plugin.scaler is not None)
+    ladder = plugin.ladder
+    now = (ladder.current, plugin.scaler is not None)
     if now[0] != seen[0]:
-        text = f"step {step}: {plugin.ladder.label(plugin.core)} ({plugin.ladder.describe(now[0])})"
-        if seen[1] and not now[1]:
-            text += "; the loss scale retires (1.0 from now on)"
-        for writer in (getattr(lg, "experiment", None) for lg in loggers):
-            if hasattr(writer, "add_text"):
-                writer.add_text(TAG_SCHEDULE_TEXT, text, step)
+        # every rung begun since the last point (several where the logging interval spans several switches), each
+        # named by the step it began at (the schedule's step; the point's own step comes later past an interval)
+        rungs = range(seen[0] + 1, now[0] + 1) if now[0] > seen[0] else [now[0]]
+        for rung in rungs:
+            begun = ladder.starts[rung - 1] if rung and ladder.starts else step
+            text = f"step {begun}: " + (f"{ladder.label(plugin.core)} ({ladder.describe(rung)})" if rung == now[0]
+                                        else ladder.describe(rung))
+            if rung == now[0] and seen[1] and not now[1]:
+                text += "; the loss scale retires (1.0 from now on)"
+            for writer in (getattr(lg, "experiment", None) for lg in loggers):
+                if hasattr(writer, "add_text"):
+                    writer.add_text(TAG_SCHEDULE_TEXT, text, step)
     return {TAG_FORMAT: float(plugin.format.significand_bits)}, now
 
 
