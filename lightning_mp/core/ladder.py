@@ -32,8 +32,10 @@ compiled model); a step without a switch, one comparison.
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -137,7 +139,11 @@ class Ladder:
         return {"schedule_rung": self.current} if self.scheduled else {}
 
     def saved_rung(self, state: dict[str, Any]) -> int:
-        """The rung a checkpoint was written in (0 without a schedule); one this schedule lacks is refused."""
+        """The rung a checkpoint was written in (0 without a schedule); one this schedule lacks is refused. A plugin
+        without a schedule computes in its own precision whatever rung wrote the checkpoint, as it resumes any
+        other precision's checkpoint (fine-tuning in bf16 from an fp8 -> bf16 run, say)."""
+        if not self.scheduled:
+            return 0
         rung = state.get("schedule_rung", 0)
         if isinstance(rung, bool) or not isinstance(rung, int) or not 0 <= rung < len(self.rungs):
             raise ValueError(
@@ -167,7 +173,9 @@ def switch(old: Any, new: Any, step: int | None, rung: str) -> None:
     old.step.settle(stop=False)  # the last step's flag read: counted in the state that carries over
     state, calls = old.state_dict(), list(old.calls)
     optimizers = [o for name, args in calls if name == "connect" for o in args[2]]
+    held = old.masters.held_copies() if old.masters is not None else []
     old.teardown()
+    _fold_on_backward(held)
     _fp32_state(optimizers)
     for name, args in calls:  # the front end's calls, in their order, on the new core
         getattr(new, name)(*args)
@@ -186,6 +194,29 @@ def label(core: Any) -> str:
     if core.format.is_16bit and not core.master_weights and core.lean is None:
         name += " (autocast, no master weights)"
     return name + (f", loss scale {core.scaler.mode!r}" if core.scaler.enabled else "")
+
+
+def _fold_on_backward(held: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+    """A graph built in the old rung and back-propagated in the new one (Fabric counts each ``optimizer.step()``, so
+    a switch can fall between a GAN's discriminator step and its generator step, across ``fake = G(z)``) writes its
+    gradients into the old rung's 16-bit copies, which no core folds any more: each one's gradient goes into its
+    Parameter's FP32 ``.grad`` as it lands (scaled, if at all, by the new rung's scale: the backward's), and the
+    step that follows unscales, checks and applies it with the rest. Without this the generator's update at the
+    switch was lost, with no word."""
+    for param, copy in held:
+        copy.register_post_accumulate_grad_hook(functools.partial(_fold_into, weakref.ref(param)))
+
+
+@torch.no_grad()
+def _fold_into(param: weakref.ref, copy: torch.Tensor) -> None:
+    p, g16 = param(), copy.grad
+    copy.grad = None
+    if p is None or g16 is None:
+        return
+    if p.grad is None:
+        p.grad = g16.to(p.dtype)
+    else:
+        p.grad.add_(g16)  # FP32 sum
 
 
 def _fp32_state(optimizers: list[Any]) -> None:

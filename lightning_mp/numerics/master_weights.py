@@ -260,6 +260,12 @@ class MasterWeights:
         if self._retired:
             self._retired = fold_retired(self._retired, self._slot_of, self._grad_views)
 
+    def held_copies(self) -> list[tuple[nn.Parameter, Tensor]]:
+        """(Parameter, copy) for each copy that a graph not yet back-propagated may still write a gradient into (a
+        GAN's ``fake = G(z)`` across the discriminator's step): a precision switch folds those once this store is gone
+        (:mod:`lightning_mp.core.ladder`)."""
+        return [(p, c) for p, c in [*zip(self.params, self._copies), *self._retired] if in_a_graph(c)]
+
     # ------------------------------------------------------------------ teardown
     def remove(self) -> None:
         """Take the hooks and swapped classes out and give the memory back; the Parameters were FP32 all along."""
