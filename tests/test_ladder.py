@@ -203,6 +203,12 @@ def test_a_plugin_loading_a_rung_it_lacks_refuses_and_stays_in_its_own():
     assert plugin.ladder.current == 0 and plugin.format.name == "fp16"
 
 
+def test_a_plugin_without_a_schedule_resumes_any_rung_in_its_own_precision():
+    plugin = MixedPrecisionPlugin("bf16")
+    plugin.load_state_dict({**MixedPrecisionPlugin("fp16", schedule={3: "bf16"}).state_dict(), "schedule_rung": 1})
+    assert plugin.format.name == "bf16" and plugin.ladder.current == 0 and "schedule_rung" not in plugin.state_dict()
+
+
 def test_a_plugin_loading_a_later_rung_computes_in_it():
     plugin = MixedPrecisionPlugin("fp16", schedule={3: "bf16"})
     later = MixedPrecisionPlugin("bf16").state_dict()

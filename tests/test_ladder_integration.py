@@ -356,3 +356,13 @@ def test_a_schedule_of_several_rungs_climbs_each_in_turn():
     assert formats(model) == [(0, "fp16"), (1, "fp16"), (2, "fp8"), (3, "fp8"), (4, "bf16"), (5, "fp32")]
     assert [s[2] for s in model.seen] == [torch.float16] * 2 + [torch.bfloat16] * 3 + [torch.float32]
     assert plugin.ladder.current == 3 and plugin.scaler is None
+
+
+def test_a_plugin_without_the_schedule_resumes_a_checkpoint_written_after_the_switch(tmp_path):
+    """Fine-tuning on in the last rung's precision, with a plain plugin: the run goes on as the scheduled one."""
+    every_step = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=1, save_top_k=-1)
+    straight, _ = fit(MixedPrecisionPlugin("fp16", schedule={SWITCH: "bf16"}), callbacks=[every_step],
+                      enable_checkpointing=True)
+    resumed, _ = fit(MixedPrecisionPlugin("bf16"), model=Mlp(seed=1), ckpt_path=tmp_path / f"step={SWITCH + 1}.ckpt")
+    assert formats(resumed) == formats(straight)[SWITCH + 1:]
+    assert_equal(final(straight), final(resumed))
