@@ -197,6 +197,41 @@ def test_a_checkpoint_across_the_switch_resumes_in_the_right_format_bit_for_bit(
     assert resumed.plugin.core.scaler.state_dict() == straight.plugin.core.scaler.state_dict()
 
 
+@pytest.mark.parametrize("first, then, kwargs, poison", CHECKPOINTED, ids=[c[0] for c in CHECKPOINTED])
+def test_a_rollback_past_the_switch_goes_back_to_the_first_rung_and_switches_again(tmp_path, first, then, kwargs,
+                                                                                  poison):
+    if first == "fp8":
+        pytest.importorskip("torchao", reason="precision='fp8' needs torchao")
+    schedule = {SWITCH: then}
+    straight = Run(plugin_for(first, schedule, **kwargs)).train(STEPS, poison=poison)
+    run = Run(plugin_for(first, schedule, **kwargs)).train(SWITCH - 1, poison=poison)
+    run.save(tmp_path / "ckpt.pt")
+    run.train(2, poison=poison)  # past the switch
+    run.load(tmp_path / "ckpt.pt")  # the same Fabric and plugin, back into rung 0
+    assert run.plugin.ladder.current == 0 and run.start == SWITCH - 1
+    run.steps = []
+    run.train(STEPS - run.start, poison=poison)
+    for key in ("format", "dtype", "fp8", "scale", "masters", "lean"):
+        assert column(run, key) == column(straight, key)[SWITCH - 1:], key
+    assert bitwise(final(run), final(straight))
+
+
+def test_a_guarded_scheduler_holds_still_on_skipped_steps_on_both_sides_of_the_switch():
+    plugin = plugin_for("fp16", {SWITCH: "bf16"}, init_scale=2.0**8)
+    run = Run(plugin)
+    scheduler = torch.optim.lr_scheduler.StepLR(run.opt, step_size=1, gamma=0.5)
+    plugin.guard_schedulers(scheduler)
+    lrs = []
+    for step in range(STEPS + 1):
+        run.train(1, poison={1, 5})
+        scheduler.step()
+        lrs.append(run.opt.param_groups[0]["lr"])
+    assert column(run, "format") == ["fp16"] * SWITCH + ["bf16"] * (STEPS + 1 - SWITCH)
+    assert plugin.skipped_steps == 2
+    # halved at each clean step: held at step 1 (fp16) and at step 5 (bf16, after the switch)
+    assert lrs == [1e-2 * 0.5**n for n in (1, 1, 2, 3, 4, 4, 5)]
+
+
 def test_a_fraction_of_the_run_is_refused_under_fabric_when_the_plugin_is_made():
     # Fabric has no run length: refused at construction, before a step is computed (not after the first one)
     with pytest.raises(ValueError, match=r"schedule=\{0\.5: \.\.\.\}: a fraction of the run needs its length.*"
