@@ -5,7 +5,8 @@ each phase with a Fabric or a Trainer of its own in the same two processes.
 Phases (``--phases``, comma-separated), ``<front end>-<strategy>-<from>-<to>``:
 
 * ``fabric-ddp-fp16-bf16``, ``trainer-ddp-fp16-bf16``: the switch at step 3, a forced overflow on rank 1 only at
-  step 1 (skipped on both: the step counts stay equal, so the switch stays aligned);
+  step 1 (skipped on both: the step counts stay equal, so the switch stays aligned); ``fabric-ddp-fp16-bf16-resume2``
+  (and ``-resume4``): saved after step 2 (4), loaded by a new Fabric and plugin, run on to the end;
 * ``fabric-fsdp2-fp8-bf16``, ``trainer-fsdp2-fp8-bf16``, ``trainer-fsdp2-lean-masters`` (the Trainer's switch at
   0.5 of ``max_steps``: step 3): ``fully_shard`` per Linear and at the root, ``mp_policy=plugin.fsdp_mp_policy()``
   (lean bf16 under Fabric's ModelParallelStrategy is refused at the first forward, schedule or not);
@@ -96,7 +97,23 @@ def _masters(plugin):
 
 
 # ---------------------------------------------------------------------------------------------------- Fabric
-def fabric_phase(strategy, first, then, poison):
+def fabric_phase(strategy, first, then, poison, resume_at=None, out=None):
+    """``resume_at``: the loop stops after that many steps and saves (model, optimizer, plugin); a new Fabric with a
+    new plugin of the same schedule loads the checkpoint and goes on."""
+    model, opt, fabric, plugin, record = _fabric_loop(strategy, first, then)
+    _fabric_steps(fabric, model, opt, record, range(STEPS if resume_at is None else resume_at), poison)
+    if resume_at is not None:
+        path = os.path.join(out, "fabric.ckpt")
+        fabric.save(path, {"model": model, "optimizer": opt, "precision": plugin})
+        rows = record.rows
+        model, opt, fabric, plugin, record = _fabric_loop(strategy, first, then)
+        fabric.load(path, {"model": model, "optimizer": opt, "precision": plugin})
+        record.rows = rows
+        _fabric_steps(fabric, model, opt, record, range(resume_at, STEPS), poison)
+    return record.result(model)
+
+
+def _fabric_loop(strategy, first, then):
     import lightning_mp.fabric as front
     from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 
@@ -110,21 +127,24 @@ def fabric_phase(strategy, first, then, poison):
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin])
     fabric.launch()
     net = mlp()
-    steps = Steps(plugin, net[0])
+    record = Steps(plugin, net[0])
     model = fabric.setup_module(net)
     opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    return model, opt, fabric, plugin, record
+
+
+def _fabric_steps(fabric, model, opt, record, steps, poison):
     x, y = data()
     rank = fabric.global_rank
-    for step in range(STEPS):
+    for step in steps:
         rows = slice((2 * step + rank) * BATCH, (2 * step + rank + 1) * BATCH)
         loss = nn.functional.mse_loss(model(x[rows]), y[rows])
-        steps.record(step)
+        record.record(step)
         if poison and rank == 1 and step == 1:
             loss = loss * float("inf")  # an overflow on this rank only
         fabric.backward(loss)
         opt.step()
         opt.zero_grad()
-    return steps.result(model)
 
 
 # ---------------------------------------------------------------------------------------------------- Trainer
@@ -187,10 +207,13 @@ def main():
     torch.set_num_threads(1)
     results = {}
     for phase in args.phases.split(","):
-        front, strategy, first, then = phase.split("-")
-        run = fabric_phase if front == "fabric" else trainer_phase
+        front, strategy, first, then, *resumed = phase.split("-")
         try:
-            results[phase] = run(strategy, first, then, poison=first == "fp16")
+            if front == "fabric":
+                resume_at = int(resumed[0].removeprefix("resume")) if resumed else None
+                results[phase] = fabric_phase(strategy, first, then, first == "fp16", resume_at, args.out)
+            else:
+                results[phase] = trainer_phase(strategy, first, then, poison=first == "fp16")
         except ValueError as error:  # a refused schedule: every rank refuses it at the same point
             results[phase] = {"error": str(error)}
     torch.save(results, os.path.join(args.out, f"rank{dist.get_rank()}.pt"))

@@ -1,7 +1,8 @@
 """The precision ``schedule`` on two gloo CPU ranks (tests/ladder_worker.py): Fabric and the Trainer, DDP and FSDP2
 (``fully_shard`` per Linear and at the root). Every rank switches at the same step, computes each step in the same
 format and ends with the same FP32 weights; an overflow on one rank before the switch is skipped on both, so the
-switch stays aligned; FSDP2 refuses a change of the compute dtype by name. One launch runs every phase in the same
+switch stays aligned; a checkpoint saved on both ranks before or after the switch resumes bit for bit in the right
+format; FSDP2 refuses a change of the compute dtype by name. One launch runs every phase in the same
 two processes (each phase with a Fabric or a Trainer of its own)."""
 
 import os
@@ -23,6 +24,7 @@ pytestmark = [
 
 SWITCHED = ["fabric-ddp-fp16-bf16", "trainer-ddp-fp16-bf16", "fabric-fsdp2-fp8-bf16", "trainer-fsdp2-fp8-bf16",
             "trainer-fsdp2-lean-masters"]  # lean bf16 under Fabric's ModelParallelStrategy: refused, schedule or not
+RESUMED = ["fabric-ddp-fp16-bf16-resume2", "fabric-ddp-fp16-bf16-resume4"]  # saved before / after the switch
 REFUSED = ["fabric-fsdp2-bf16-fp16", "trainer-fsdp2-bf16-fp16"]
 
 
@@ -45,12 +47,12 @@ def launch(out, phases, devices=2):
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("ladder"), SWITCHED + REFUSED)
+    return launch(tmp_path_factory.mktemp("ladder"), SWITCHED + RESUMED + REFUSED)
 
 
 def expected(phase):
     """Per step: (step, format, the first Linear's output dtype, FP8 forward, masters, loss scale)."""
-    *_, first, then = phase.split("-")
+    _, _, first, then, *_ = phase.split("-")
     before = {"fp16": ("fp16", "torch.float16", False, "fp32"), "fp8": ("fp8", "torch.bfloat16", True, "fp32"),
               "lean": ("bf16", "torch.bfloat16", False, "lean")}[first]
     after = ("bf16", "torch.bfloat16", False, "fp32")
@@ -59,7 +61,7 @@ def expected(phase):
     return [(s, *before, scales[s]) if s < SWITCH else (s, *after, 1.0) for s in range(STEPS)]
 
 
-@pytest.mark.parametrize("phase", SWITCHED)
+@pytest.mark.parametrize("phase", SWITCHED + RESUMED)
 def test_both_ranks_switch_at_the_same_step_and_end_with_equal_fp32_weights(ranks, phase):
     r0, r1 = (r[phase] for r in ranks)
     assert "error" not in r0 and "error" not in r1, r0.get("error") or r1.get("error")
@@ -74,11 +76,21 @@ def test_both_ranks_switch_at_the_same_step_and_end_with_equal_fp32_weights(rank
         assert r0["global_step"] == r1["global_step"] == STEPS
 
 
-@pytest.mark.parametrize("phase", [p for p in SWITCHED if "fp16" in p])
+@pytest.mark.parametrize("phase", [p for p in SWITCHED + RESUMED if "fp16" in p])
 def test_an_overflow_on_one_rank_before_the_switch_is_skipped_on_both_and_the_scale_retires(ranks, phase):
     r0, r1 = (r[phase] for r in ranks)
     assert r0["skipped"] == r1["skipped"] == 1  # rank 1's overflow at step 1, skipped on both
     assert r0["scale"] == r1["scale"] == 1.0 and not r0["scaler"] and not r1["scaler"]  # retired at the switch
+
+
+@pytest.mark.parametrize("phase", RESUMED)
+def test_a_checkpoint_saved_on_two_ranks_before_or_after_the_switch_resumes_bit_for_bit(ranks, phase):
+    # a new Fabric and plugin load it on both ranks: each step in the uninterrupted run's format (the rows above),
+    # the same FP32 weights bit for bit
+    straight = ranks[0]["fabric-ddp-fp16-bf16"]
+    for r in ranks:
+        assert r[phase]["state"].keys() == straight["state"].keys()
+        assert all(torch.equal(r[phase]["state"][k], straight["state"][k]) for k in straight["state"])
 
 
 @pytest.mark.parametrize("phase", REFUSED)
