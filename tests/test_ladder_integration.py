@@ -166,15 +166,16 @@ def test_fp8_to_bf16_takes_the_fp8_forwards_off_the_same_parameters():
 
 
 def test_bf16_to_fp32_frees_the_16_bit_copies_and_computes_in_fp32():
-    copies = []
-
-    def count(model, step):  # live bf16 tensors shaped as a Parameter: the copies the forward reads
-        shapes = {p.shape for p in model.net.parameters()}
-        copies.append(sum(isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16 and o.shape in shapes
-                          for o in gc.get_objects()))
-
     model = Mlp()
-    model.hook = count
+    shapes = {p.shape for p in model.net.parameters()}
+
+    def live_bf16():  # live bf16 tensors shaped as a Parameter (other tests' may be about: counted once, before)
+        gc.collect()
+        return sum(isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16 and o.shape in shapes
+                   for o in gc.get_objects())
+
+    copies, before = [], live_bf16()
+    model.hook = lambda m, step: copies.append(live_bf16() - before)
     model, trainer = fit(MixedPrecisionPlugin("bf16", schedule={SWITCH: "fp32"}), model=model)
     assert copies == [4] * SWITCH + [0] * (STEPS - SWITCH)  # a bf16 copy of each of the 4 Parameters, then none
     # inside the Linear's forward: the bf16 copy, then the FP32 Parameter itself; the output FP32 after the switch
