@@ -10,12 +10,14 @@ Phases (``--phases``, comma-separated), ``<front end>-<strategy>-<from>-<to>``:
 * ``fabric-fsdp2-fp8-bf16``, ``trainer-fsdp2-fp8-bf16``, ``trainer-fsdp2-lean-masters`` (the Trainer's switch at
   0.5 of ``max_steps``: step 3): ``fully_shard`` per Linear and at the root, ``mp_policy=plugin.fsdp_mp_policy()``
   (lean bf16 under Fabric's ModelParallelStrategy is refused at the first forward, schedule or not);
+* ``<front end>-ddp-bf16-fp32``, ``-fp32-bf16``, ``-bf16-lean``, ``-lean-masters``: into and out of master weights
+  under DDP (``lean``: ``master_weights='compensated'``; ``masters``: ``master_weights=True``);
 * ``fabric-fsdp2-bf16-fp16``, ``trainer-fsdp2-bf16-fp16``: refused (FSDP2 gathers in one dtype for the fit); the
   message is recorded.
 
 Writes ``rank{r}.pt`` into ``--out``: per phase, per step the format the plugin computed it in (``plugin.format``),
-the first Linear's output dtype, whether its forward was torchao's FP8 one, the masters' kind and the scale; the full FP32 weights at the end, the
-plugin's counters, or the error's message.
+the first Linear's output dtype, whether its forward was torchao's FP8 one, the masters' kind and the scale; the
+full FP32 weights at the end, the plugin's counters, or the error's message.
 """
 
 import argparse
@@ -40,7 +42,7 @@ def plugin_for(module, first, then, when=SWITCH):
         first, kwargs["master_weights"] = "bf16", "compensated"
     if first == "fp8":
         kwargs["fp8_modules"] = [nn.Linear]  # both Linears (the default keeps the output head in bf16)
-    entry = {"master_weights": True} if then == "masters" else then
+    entry = {"masters": {"master_weights": True}, "lean": {"master_weights": "compensated"}}.get(then, then)
     return module.MixedPrecisionPlugin(first, schedule={when: entry}, **kwargs)
 
 

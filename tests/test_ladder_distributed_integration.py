@@ -1,9 +1,10 @@
 """The precision ``schedule`` on two gloo CPU ranks (tests/ladder_worker.py): Fabric and the Trainer, DDP and FSDP2
 (``fully_shard`` per Linear and at the root). Every rank switches at the same step, computes each step in the same
 format and ends with the same FP32 weights; an overflow on one rank before the switch is skipped on both, so the
-switch stays aligned; a checkpoint saved on both ranks before or after the switch resumes bit for bit in the right
-format; FSDP2 refuses a change of the compute dtype by name. One launch runs every phase in the same
-two processes (each phase with a Fabric or a Trainer of its own)."""
+switch stays aligned; into and out of master weights under DDP the gradients stay averaged (before: the ranks
+drifted apart from the switch on, DDP's own sync left off, or never turned off); a checkpoint saved on both ranks
+before or after the switch resumes bit for bit in the right format; FSDP2 refuses a change of the compute dtype by
+name. One launch runs every phase in the same two processes (each phase with a Fabric or a Trainer of its own)."""
 
 import os
 import socket
@@ -24,6 +25,9 @@ pytestmark = [
 
 SWITCHED = ["fabric-ddp-fp16-bf16", "trainer-ddp-fp16-bf16", "fabric-fsdp2-fp8-bf16", "trainer-fsdp2-fp8-bf16",
             "trainer-fsdp2-lean-masters"]  # lean bf16 under Fabric's ModelParallelStrategy: refused, schedule or not
+# under DDP, into and out of master weights: who averages the gradients changes (DDP's reducer, or the step)
+AVERAGED = [f"{front}-ddp-{first}-{then}" for front in ("fabric", "trainer")
+            for first, then in (("bf16", "fp32"), ("fp32", "bf16"), ("bf16", "lean"), ("lean", "masters"))]
 RESUMED = ["fabric-ddp-fp16-bf16-resume2", "fabric-ddp-fp16-bf16-resume4"]  # saved before / after the switch
 REFUSED = ["fabric-fsdp2-bf16-fp16", "trainer-fsdp2-bf16-fp16"]
 
@@ -47,21 +51,24 @@ def launch(out, phases, devices=2):
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("ladder"), SWITCHED + RESUMED + REFUSED)
+    return launch(tmp_path_factory.mktemp("ladder"), SWITCHED + AVERAGED + RESUMED + REFUSED)
+
+
+# per rung: (format, the first Linear's output dtype, FP8 forward, masters)
+RUNGS = {"fp16": ("fp16", "torch.float16", False, "fp32"), "fp8": ("fp8", "torch.bfloat16", True, "fp32"),
+         "bf16": ("bf16", "torch.bfloat16", False, "fp32"), "masters": ("bf16", "torch.bfloat16", False, "fp32"),
+         "lean": ("bf16", "torch.bfloat16", False, "lean"), "fp32": ("fp32", "torch.float32", False, "none")}
 
 
 def expected(phase):
     """Per step: (step, format, the first Linear's output dtype, FP8 forward, masters, loss scale)."""
     _, _, first, then, *_ = phase.split("-")
-    before = {"fp16": ("fp16", "torch.float16", False, "fp32"), "fp8": ("fp8", "torch.bfloat16", True, "fp32"),
-              "lean": ("bf16", "torch.bfloat16", False, "lean")}[first]
-    after = ("bf16", "torch.bfloat16", False, "fp32")
     # fp16: the scale 2^8 halves at rank 1's overflow (step 1) and retires at the switch
     scales = [2.0**8, 2.0**8, 2.0**7] if first == "fp16" else [1.0] * SWITCH
-    return [(s, *before, scales[s]) if s < SWITCH else (s, *after, 1.0) for s in range(STEPS)]
+    return [(s, *RUNGS[first], scales[s]) if s < SWITCH else (s, *RUNGS[then], 1.0) for s in range(STEPS)]
 
 
-@pytest.mark.parametrize("phase", SWITCHED + RESUMED)
+@pytest.mark.parametrize("phase", SWITCHED + AVERAGED + RESUMED)
 def test_both_ranks_switch_at_the_same_step_and_end_with_equal_fp32_weights(ranks, phase):
     r0, r1 = (r[phase] for r in ranks)
     assert "error" not in r0 and "error" not in r1, r0.get("error") or r1.get("error")

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from lightning_mp.formats import resolve_precision
-from lightning_mp.numerics.distributed import rank
+from lightning_mp.numerics.distributed import average_fp32_grads_per_step, rank
 
 log = logging.getLogger("lightning_mp.schedule")  # infos printed (lightning_mp._logging), on rank 0
 
@@ -174,11 +174,14 @@ def switch(old: Any, new: Any, step: int | None, rung: str) -> None:
     state, calls = old.state_dict(), list(old.calls)
     optimizers = [o for name, args in calls if name == "connect" for o in args[2]]
     held = old.masters.held_copies() if old.masters is not None else []
+    averaged = old.step.reduce_ is not None  # DDP with master weights: its own sync off, the step averaged
     old.teardown()
     _fold_on_backward(held)
     _fp32_state(optimizers)
     for name, args in calls:  # the front end's calls, in their order, on the new core
         getattr(new, name)(*args)
+    if averaged and new.step.reduce_ is None:
+        _keep_averaging(new, [args[0] for name, args in calls if name in ("connect", "data_parallel")])
     new.step.load_state_dict(state)  # counters; the scale only from dynamic to dynamic (LossScaler.load_state_dict)
     if new.autopilot is not None and "auto_fp32_modules" in state:
         new.autopilot.load_state_dict(state["auto_fp32_modules"])  # modules moved to FP32 stay there
@@ -217,6 +220,17 @@ def _fold_into(param: weakref.ref, copy: torch.Tensor) -> None:
         p.grad = g16.to(p.dtype)
     else:
         p.grad.add_(g16)  # FP32 sum
+
+
+def _keep_averaging(new: Any, models: list[Any]) -> None:
+    """A rung without master weights (fp32, lean bf16) after one with them under DDP: the old rung turned DDP's own
+    gradient sync off (``require_backward_grad_sync``) and averaged in the step. Turning DDP's flag back on here
+    would not hold: a switch can come inside a ``no_sync`` block (the Trainer's gradient accumulation), which puts
+    the flag back as it found it, off. So the step goes on averaging the gradients, once per step, as it did (one
+    all-reduce per run of contiguous gradients: DDP's cost). Before, nothing averaged them and the ranks drifted
+    apart from the switch on."""
+    for model in models:
+        new._handles.extend(average_fp32_grads_per_step(model, new.step))
 
 
 def _fp32_state(optimizers: list[Any]) -> None:

@@ -110,14 +110,19 @@ class FirstForward:
 
     def convert(self, module: nn.Module) -> nn.Module:
         self._pending.append(module)  # several fabric.setup() calls (a GAN's two models) share one store
-        if not (self.core.master_weights and distributed()):
+        if not distributed():
             return self.core.convert(module)
         # the strategy wraps (DDP) or shards (fully_shard) the module after convert_module: its masters are chosen at
-        # its first call, which shows what wraps it (MasterWeights builds nothing before a forward anyway)
+        # its first call, which shows what wraps it (MasterWeights builds nothing before a forward anyway). Without
+        # master weights the module is converted now, and its first call still shows the DDP wrapper: a precision
+        # schedule's later rung with master weights turns DDP's own sync off there (core.data_parallel, replayed)
         if self._calls is None or not self._calls.bound:
             self._calls = FirstCalls(self._first_call)
             weakref.finalize(self, FirstCalls.remove, self._calls)
-        self._unconverted.append(module)
+        if self.core.master_weights:
+            self._unconverted.append(module)
+        else:
+            self.core.convert(module)
         self._calls.watch(module)
         return module
 
