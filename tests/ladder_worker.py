@@ -12,6 +12,7 @@ Phases (``--phases``, comma-separated), ``<front end>-<strategy>-<from>-<to>``:
   (lean bf16 under Fabric's ModelParallelStrategy is refused at the first forward, schedule or not);
 * ``<front end>-ddp-bf16-fp32``, ``-fp32-bf16``, ``-bf16-lean``, ``-lean-masters``: into and out of master weights
   under DDP (``lean``: ``master_weights='compensated'``; ``masters``: ``master_weights=True``);
+  ``trainer-ddp-bf16-fp32-accumulate2``: 2 micro-batches a step (the switch falls inside Lightning's ``no_sync``);
 * ``fabric-fsdp2-bf16-fp16``, ``trainer-fsdp2-bf16-fp16``: refused (FSDP2 gathers in one dtype for the fit); the
   message is recorded.
 
@@ -156,6 +157,7 @@ class Model(L.LightningModule):
         self.net = mlp()
         self.plugin, self.sharded, self.poison = plugin, sharded, poison
         self.steps = Steps(plugin, self.net[0])
+        self.accumulate = 1
 
     def configure_model(self):
         if self.sharded:
@@ -164,7 +166,8 @@ class Model(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x).float(), y)
-        self.steps.record(self.trainer.global_step)
+        if batch_idx % self.accumulate == 0:  # the step's first micro-batch (the switch comes before it)
+            self.steps.record(self.trainer.global_step)
         return loss
 
     def on_after_backward(self):
@@ -177,13 +180,13 @@ class Model(L.LightningModule):
         x, y = data()
         r = self.trainer.global_rank  # rank r's rows of step s: the Fabric loop's
         rows = torch.cat([torch.arange((2 * s + r) * BATCH, (2 * s + r + 1) * BATCH) for s in range(STEPS)])
-        return DataLoader(TensorDataset(x[rows], y[rows]), batch_size=BATCH, shuffle=False)
+        return DataLoader(TensorDataset(x[rows], y[rows]), batch_size=BATCH // self.accumulate, shuffle=False)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def trainer_phase(strategy, first, then, poison):
+def trainer_phase(strategy, first, then, poison, accumulate=1):
     import lightning_mp as front
     from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -191,11 +194,12 @@ def trainer_phase(strategy, first, then, poison):
     plugin = plugin_for(front, first, then, when=SWITCH / STEPS)
     sharded = strategy == "fsdp2"
     model = Model(plugin, sharded, poison)
+    model.accumulate = accumulate  # micro-batches of BATCH // accumulate rows: the same rows per step
     trainer = L.Trainer(
         accelerator="cpu", devices=2,
         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if sharded else "ddp",
         plugins=[plugin], max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False,
+        enable_model_summary=False, use_distributed_sampler=False, accumulate_grad_batches=accumulate,
     )
     trainer.fit(model)
     return {**model.steps.result(model.net), "global_step": trainer.global_step}
@@ -215,7 +219,8 @@ def main():
                 resume_at = int(resumed[0].removeprefix("resume")) if resumed else None
                 results[phase] = fabric_phase(strategy, first, then, first == "fp16", resume_at, args.out)
             else:
-                results[phase] = trainer_phase(strategy, first, then, poison=first == "fp16")
+                accumulate = int(resumed[0].removeprefix("accumulate")) if resumed else 1
+                results[phase] = trainer_phase(strategy, first, then, first == "fp16", accumulate)
         except ValueError as error:  # a refused schedule: every rank refuses it at the same point
             results[phase] = {"error": str(error)}
     torch.save(results, os.path.join(args.out, f"rank{dist.get_rank()}.pt"))

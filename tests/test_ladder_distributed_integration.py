@@ -28,6 +28,8 @@ SWITCHED = ["fabric-ddp-fp16-bf16", "trainer-ddp-fp16-bf16", "fabric-fsdp2-fp8-b
 # under DDP, into and out of master weights: who averages the gradients changes (DDP's reducer, or the step)
 AVERAGED = [f"{front}-ddp-{first}-{then}" for front in ("fabric", "trainer")
             for first, then in (("bf16", "fp32"), ("fp32", "bf16"), ("bf16", "lean"), ("lean", "masters"))]
+# 2 micro-batches a step: the switch falls inside Lightning's no_sync block (the first micro-batch's)
+AVERAGED += ["trainer-ddp-bf16-fp32-accumulate2", "trainer-ddp-bf16-lean-accumulate2"]
 RESUMED = ["fabric-ddp-fp16-bf16-resume2", "fabric-ddp-fp16-bf16-resume4"]  # saved before / after the switch
 REFUSED = ["fabric-fsdp2-bf16-fp16", "trainer-fsdp2-bf16-fp16"]
 
