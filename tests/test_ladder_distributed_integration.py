@@ -108,3 +108,11 @@ def test_fsdp2_refuses_a_schedule_that_changes_the_gathered_dtype_on_both_ranks(
     assert messages[0] == messages[1]
     assert "rung 1 computes in 'fp16' (torch.float16) and the model is sharded by fully_shard" in messages[0]
     assert "HINT: under FSDP2 schedule changes that keep the compute dtype: 'fp8' <-> 'bf16'" in messages[0]
+
+
+@pytest.mark.parametrize("phase", [p for p in AVERAGED if p.startswith("fabric")])
+def test_fabric_and_the_trainer_end_bit_for_bit_equal_into_and_out_of_master_weights(ranks, phase):
+    # the same data, model and steps: the Trainer averages through the wrapper it connects, Fabric through the one its
+    # first call shows (measured: bit for bit equal); gradients summed, or averaged on one side only, would differ
+    fabric, trainer = ranks[0][phase]["state"], ranks[0][phase.replace("fabric", "trainer", 1)]["state"]
+    assert fabric.keys() == trainer.keys() and all(torch.equal(fabric[k], trainer[k]) for k in fabric)
