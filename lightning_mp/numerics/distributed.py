@@ -3,7 +3,9 @@
 * The overflow decision must be the same on every rank, or ranks skip different steps and their weights drift
   apart. DDP's gradient averaging usually spreads an inf to every rank, but not always (a NaN can be produced
   after the all-reduce, locally, and sharded gradients never see the others), so the flag is agreed explicitly:
-  an all-reduce with MAX of one float per step, as Megatron, DeepSpeed and torch's ShardedGradScaler do.
+  an all-reduce with MAX of one float per step, as Megatron, DeepSpeed and torch's ShardedGradScaler do. Where the
+  step checks the FP32 gradients right after averaging them itself (below), every rank checks the same values and
+  finds the same flag: no collective of its own there (:mod:`lightning_mp.numerics.step`).
 * Gradient averaging with master weights: DDP would average each micro-batch's 16-bit gradients (a bf16 sum
   keeps 8 significant bits, and under ``no_sync`` accumulation only the last micro-batch would be averaged once
   its gradient is folded into the FP32 master). Instead DDP's own sync is switched off and the FP32 master
