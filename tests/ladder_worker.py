@@ -5,8 +5,8 @@ each phase with a Fabric or a Trainer of its own in the same two processes.
 Phases (``--phases``, comma-separated), ``<front end>-<strategy>-<from>-<to>``:
 
 * ``fabric-ddp-fp16-bf16``, ``trainer-ddp-fp16-bf16``: the switch at step 3, a forced overflow on rank 1 only at
-  step 1 (skipped on both: the step counts stay equal, so the switch stays aligned); ``fabric-ddp-fp16-bf16-resume2``
-  (and ``-resume4``): saved after step 2 (4), loaded by a new Fabric and plugin, run on to the end;
+  step 1 (skipped on both: the step counts stay equal, so the switch stays aligned); a Fabric phase
+  with ``-resume2`` (``-resume4``): saved after step 2 (4), loaded by a new Fabric and plugin, run on to the end;
 * ``fabric-fsdp2-fp8-bf16``, ``trainer-fsdp2-fp8-bf16``, ``trainer-fsdp2-lean-masters`` (the Trainer's switch at
   0.5 of ``max_steps``: step 3): ``fully_shard`` per Linear and at the root, ``mp_policy=plugin.fsdp_mp_policy()``
   (lean bf16 under Fabric's ModelParallelStrategy is refused at the first forward, schedule or not);
@@ -110,6 +110,7 @@ def fabric_phase(strategy, first, then, poison, resume_at=None, out=None):
         fabric.save(path, {"model": model, "optimizer": opt, "precision": plugin})
         rows = record.rows
         model, opt, fabric, plugin, record = _fabric_loop(strategy, first, then)
+        plugin.setup_optimizers(opt)  # lean bf16's documented resume order: its FP32 state stays FP32
         fabric.load(path, {"model": model, "optimizer": opt, "precision": plugin})
         record.rows = rows
         _fabric_steps(fabric, model, opt, record, range(resume_at, STEPS), poison)
