@@ -103,15 +103,17 @@ def _masters(plugin):
 def fabric_phase(strategy, first, then, poison, resume_at=None, out=None):
     """``resume_at``: the loop stops after that many steps and saves (model, optimizer, plugin); a new Fabric with a
     new plugin of the same schedule loads the checkpoint and goes on."""
+    import lightning_mp.fabric as front
+
     model, opt, fabric, plugin, record = _fabric_loop(strategy, first, then)
     _fabric_steps(fabric, model, opt, record, range(STEPS if resume_at is None else resume_at), poison)
     if resume_at is not None:
-        path = os.path.join(out, "fabric.ckpt")
+        path = os.path.join(out, f"{strategy}-{first}-{then}-{resume_at}.ckpt")  # FSDP2: a sharded folder
         fabric.save(path, {"model": model, "optimizer": opt, "precision": plugin})
         rows = record.rows
         model, opt, fabric, plugin, record = _fabric_loop(strategy, first, then)
         plugin.setup_optimizers(opt)  # lean bf16's documented resume order: its FP32 state stays FP32
-        fabric.load(path, {"model": model, "optimizer": opt, "precision": plugin})
+        front.load(fabric, path, {"model": model, "optimizer": opt, "precision": plugin})  # also from a folder
         record.rows = rows
         _fabric_steps(fabric, model, opt, record, range(resume_at, STEPS), poison)
     return record.result(model)

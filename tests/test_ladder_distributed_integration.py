@@ -30,9 +30,9 @@ AVERAGED = [f"{front}-ddp-{first}-{then}" for front in ("fabric", "trainer")
             for first, then in (("bf16", "fp32"), ("fp32", "bf16"), ("bf16", "lean"), ("lean", "masters"))]
 # 2 micro-batches a step: the switch falls inside Lightning's no_sync block (the first micro-batch's)
 AVERAGED += ["trainer-ddp-bf16-fp32-accumulate2", "trainer-ddp-bf16-lean-accumulate2"]
-RESUMED = [f"fabric-ddp-{first}-{then}-resume{at}" for first, then in (("fp16", "bf16"), ("fp32", "bf16"),
-                                                                        ("lean", "masters")) for at in (2, 4)]
-# saved before / after the switch
+# saved after step 2 or 4 (before or after the switch), loaded by a new Fabric and plugin; FSDP2: sharded folders
+RESUMED = [f"fabric-{strategy}-{first}-{then}-resume{at}" for at in (2, 4) for strategy, first, then in (
+    ("ddp", "fp16", "bf16"), ("ddp", "fp32", "bf16"), ("ddp", "lean", "masters"), ("fsdp2", "fp8", "bf16"))]
 REFUSED = ["fabric-fsdp2-bf16-fp16", "trainer-fsdp2-bf16-fp16"]
 
 
