@@ -38,8 +38,8 @@ def plugin_for(precision, schedule, **kwargs):
 
 
 class Run:
-    """A Fabric loop; per step (before its forward) what the user sees: the plugin's format, the first Linear's
-    output dtype inside the forward, whether its forward is torchao's FP8 one, the scale and the 16-bit copies."""
+    """A Fabric loop; per step what the user sees: the plugin's format, scale, masters (read before the forward), the
+    first Linear's output dtype inside the forward, whether its forward is torchao's FP8 one, and the weights after."""
 
     def __init__(self, plugin):
         self.plugin = plugin
@@ -48,6 +48,7 @@ class Run:
         self.model, self.opt = self.fabric.setup(self.net, torch.optim.AdamW(self.net.parameters(), lr=1e-2))
         self.params = list(self.net.parameters())
         self.seen, self.steps, self.weights = [], [], []
+        self.start = 0  # the next step
         self.net[0].register_forward_hook(self._hook)
 
     def _hook(self, module, args, out):
@@ -62,8 +63,6 @@ class Run:
         state = {"model": self.model, "optimizer": self.opt, "precision": self.plugin, "step": 0}
         self.fabric.load(path, state)
         self.start = state["step"]
-
-    start = 0
 
     def train(self, steps, poison=()):
         for step in range(self.start, self.start + steps):
