@@ -284,3 +284,32 @@ def test_a_switch_between_a_gans_two_optimizer_steps_keeps_the_generators_update
         # the discriminator's forward in the new rung: the same update to a few of its roundings (measured: 2^-7)
         assert (a - b).norm() <= 2**-5 * b.norm(), step
     assert all(torch.equal(a, b) for a, b in zip(switched[0], reference[0]))  # the iteration before: the same
+
+
+def test_precision_monitor_shows_the_format_over_steps_and_says_when_the_loss_scale_retires(tmp_path):
+    """Fabric's PrecisionMonitor, as LossScaleMonitor under the Trainer: precision/format drops from fp16's 11
+    significand bits to bf16's 8 at the switch, the scale to 1.0, and one precision/schedule text says so."""
+    from lightning.fabric.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightning_mp.fabric import PrecisionMonitor
+
+    logger = TensorBoardLogger(tmp_path, name="fabric")
+    plugin = plugin_for("fp16", {SWITCH: "bf16"}, init_scale=2.0**8)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin], loggers=logger)
+    PrecisionMonitor(fabric, grad_range_every_n_steps=None)
+    module = net()
+    model, opt = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+    for step in range(STEPS):
+        x, y = batch(step)
+        fabric.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    logger.finalize("success")
+    acc = EventAccumulator(logger.log_dir)
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("precision/format")] == [
+        (s, 11.0 if s < SWITCH else 8.0) for s in range(STEPS)]
+    assert [e.value for e in acc.Scalars("precision/loss_scale")] == [256.0] * SWITCH + [1.0] * (STEPS - SWITCH)
+    [text] = [e for e in acc.Tensors("precision/schedule/text_summary")]
+    assert text.step == SWITCH and b"the loss scale retires" in text.tensor_proto.string_val[0]

@@ -18,7 +18,7 @@ from lightning_mp.monitors.gradient_range import TAG_HISTOGRAM
 from lightning_mp.doctor.log2_histogram import measure_on_device, Pending, unpack, histogram_kwargs, reference_scale
 from lightning_mp.numerics.sharding import local
 from lightning_mp.validation import check_bool, check_int
-from lightning_mp.monitors.base import fp8_decision_metrics, plugin_metrics, histogram_writers, no_histogram_message
+from lightning_mp.monitors.base import format_metrics, fp8_decision_metrics, plugin_metrics, histogram_writers, no_histogram_message
 
 
 class PrecisionMonitor:
@@ -45,6 +45,8 @@ class PrecisionMonitor:
     ``precision/auto_fp32_decisions``                    text (TensorBoard), one entry per decision with its evidence
     ``precision/auto_fp8_modules``                       with ``fp8_modules="auto"``: Linears kept in bf16
     ``precision/auto_fp8_decisions``                     text (TensorBoard), one entry per Linear kept in bf16
+    ``precision/format``, ``precision/schedule``         the step's format in significand bits (24 fp32, 11 fp16, 8
+                                                         bf16, 4 fp8) and one text entry per ``schedule`` switch
     ``precision/parity_drift``, ``.../parity_lost_fraction``  lean bf16's parity guard (see ``LossScaleMonitor``)
     ``precision/grad_log2_magnitude``                    histogram of log2|g| of the step's true FP32 gradients, one
                                                          bucket per octave; loggers with ``add_histogram_raw``
@@ -101,6 +103,7 @@ class PrecisionMonitor:
         self._warned = False
         self._logged_decisions = 0
         self._logged_fp8_decisions = 0
+        self._seen_rung = (plugin.ladder.current, plugin.scaler is not None)  # the precision schedule's, last point
         plugin._listeners.append(self)
 
     def remove(self) -> None:
@@ -137,6 +140,8 @@ class PrecisionMonitor:
             fp8, self._logged_fp8_decisions = fp8_decision_metrics(plugin, self._fabric.loggers,
                                                                    self._logged_fp8_decisions, step)
             metrics.update(fp8)
+            fmt, self._seen_rung = format_metrics(plugin, self._fabric.loggers, self._seen_rung, step)
+            metrics.update(fmt)
         pending, self._pending = self._pending, None
         histograms: dict[str, list[int]] = {}
         if pending is not None:

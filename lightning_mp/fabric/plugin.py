@@ -53,7 +53,6 @@ from lightning_mp.fabric.forward import ForwardContext
 from lightning_mp.fabric.kernels import KernelHold
 from lightning_mp.formats import upcast
 from lightning_mp.numerics.checkpoint_compat import is_gradscaler_state, take_gradscaler_state
-from lightning_mp.numerics.sharding import fsdp_mp_policy
 
 
 class MixedPrecisionPlugin(CoreViews, FabricPrecision):
@@ -84,6 +83,8 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
     """
 
     def _set_up_front_end(self) -> None:
+        if any(isinstance(when, float) for when in self._ladder.whens):
+            self._ladder.resolve(None)  # a fraction of the run: refused now (Fabric has no run length), not at a step
         self._first_forward = FirstForward(self.core)  # the set-up at the first forward (several ranks: conversion)
         self._listeners: list[Any] = []  # PrecisionMonitor objects, told about every optimizer step
         self._force_refresh = True  # the next forward refreshes every trainable copy (set by optimizer steps)
@@ -94,11 +95,6 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
 
     def __repr__(self) -> str:  # Lightning's "invalid plugin" error names it: say it is the Fabric one
         return f"lightning_mp.fabric.MixedPrecisionPlugin({self.core.format.name!r})"
-
-    def fsdp_mp_policy(self):
-        """The FSDP2 ``MixedPrecisionPolicy`` for this format (compute in it, reduce gradients in FP32): pass it to
-        every ``fully_shard(..., mp_policy=plugin.fsdp_mp_policy())`` in ``ModelParallelStrategy``'s parallelize_fn."""
-        return fsdp_mp_policy(self.core.format.dtype)
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -211,19 +207,30 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
         self.core.end_training_step(self.core.step.steps)  # Fabric has no global step: the plugin's own count
         for listener in self._listeners:
             listener.after_optimizer_step(optimizer)
+        if self._ladder.scheduled:  # the count of steps: the same on every rank; no run length (no fractions)
+            self._follow_schedule(self.core.step.steps, lambda: None)
         return output
+
+    def _switch_to(self, rung: int, step: int | None) -> None:
+        self._kernels.release()  # the old policy's kernels; the next forward registers the new one's
+        super()._switch_to(rung, step)
+        self._first_forward.core = self.core  # a set-up still waiting for a first forward goes to the new core
+        self._kernels = KernelHold(self.core.policy, self.core.gemm)
+        self._force_refresh = True
+        weakref.finalize(self, MixedPrecisionCore.teardown, self.core)
+        weakref.finalize(self, KernelHold.release, self._kernels)
 
     # ------------------------------------------------------------------ checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self.core.state_dict()
+        return self._plugin_state()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if is_gradscaler_state(state_dict):  # Fabric's own MixedPrecision("16-mixed") saved its GradScaler
             take_gradscaler_state(self.core.scaler, state_dict)
         else:
-            self.core.load_state_dict(state_dict)
+            self._load_plugin_state(state_dict, self.core.step.steps)
 
 
 def _zero_grad_tensor(optimizer: Optimizer) -> Tensor:

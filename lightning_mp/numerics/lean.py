@@ -8,9 +8,8 @@ steps on FP32 values rebuilt bucket by bucket inside the step and split back. Wi
 between steps, stochastically rounded. Live bytes per parameter under AdamW: 2 + 2 + 0.125 + 2 + 8 = 14.125, or
 10.125 with bf16 state, against 18 for FP32 masters with 16-bit copies and 16 for FP32 training.
 
-Gradients, as FP32 masters have them: summed over micro-batches (:meth:`LeanBf16.before_backward`) and clipped
-(:meth:`LeanBf16.before_clipping`) in FP32 where no process group reduces them, then rounded back to bf16 by the
-step: :mod:`lightning_mp.numerics.lean_grads`.
+Gradients, as FP32 masters have them: summed and clipped in FP32 where no process group reduces them, rounded back to
+bf16 by the step (:meth:`LeanBf16.before_backward`, :meth:`LeanBf16.before_clipping`, :mod:`.lean_grads`).
 
 What stays exact: ``model.state_dict()`` holds the rebuilt FP32 masters (checkpoints are precision-agnostic, as with
 FP32 masters), ``load_state_dict`` splits FP32 values back exactly, an optimizer checkpoint's FP32 state is restored
@@ -38,15 +37,14 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.numerics.compensated import CompensatedStep, split_
-from lightning_mp.numerics.lean_grads import grads_of, retype_grads, upcast_accumulated
+from lightning_mp.numerics.lean_grads import grads_of, own_grad_dtype, retype_grads, upcast_accumulated
 from lightning_mp.numerics.parity import ParityGuard
 from lightning_mp.numerics.sharding import assign, like, local, reload_shards, require_gather_dtype
 
 log = logging.getLogger("lightning_mp.plugin")
 
 # FP32 bytes rebuilt per optimizer call. The step's transients (the bucket's FP32 values and gradients, its state's
-# upcast and stochastic rounding) scale with it, so it bounds how far the step's peak rises over the state at rest;
-# each bucket costs about ten kernel launches.
+# upcast and stochastic rounding) scale with it and bound the step's peak over the state at rest; ~10 launches each.
 # At 25.4M parameters (the memory benchmark's GPT): 32 MiB buckets peak at 674 MiB, 4 MiB at 519, 1 MiB at 538.
 BUCKET_BYTES = 4 << 20
 
@@ -94,6 +92,7 @@ class LeanBf16:
                 names.setdefault(p, []).append(name)
         self._names.update(names)
         self.steps = CompensatedStep(list(self._names), BUCKET_BYTES, optimizer_state_dtype=self.state_dtype)
+        own_grad_dtype(self.steps.params)  # bf16 gradients, also after an earlier fit or a schedule set FP32
         if sharded:
             self._sharded = module
             reload_shards(module)
@@ -130,6 +129,7 @@ class LeanBf16:
                 for p in self.steps.params:
                     grad, p.grad = p.grad, None
                     assign(p, local(self.steps.master(p)))
+                    p.grad_dtype = torch.float32  # autograd's default for the FP32 Parameter again
                     p.grad = None if grad is None else grad.float()
             if self._sharded is not None:
                 reload_shards(self._sharded)

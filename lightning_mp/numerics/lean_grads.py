@@ -44,8 +44,11 @@ def retype_grads(params: list[nn.Parameter], dtype: torch.dtype) -> None:
     own, as autograd's are: views of one buffer would tile it, and the step's gradient layout keeps tiled gradients
     between steps (loose ones it does not), holding the buffer past ``zero_grad``. ``grad_dtype = None`` lets a bf16
     Parameter hold an FP32 gradient and keeps autograd from casting the next micro-batch's bf16 gradient to the
-    Parameter's dtype: it adds it into the FP32 one (``grad += new``: an FP32 sum of an exact upcast). torch has no way
-    back to its default (the Parameter's own dtype), so ``None`` (any dtype) stays after the fit."""
+    Parameter's dtype: it adds it into the FP32 one (``grad += new``: an FP32 sum of an exact upcast). Retyped back to
+    the Parameter's own dtype (the step's end), ``grad_dtype`` is that dtype again, autograd's default: a gradient the
+    backward computes in FP32 (a bf16 weight times an FP32 activation, RMSNorm's) is rounded to bf16 as FP32 masters'
+    16-bit copies have it rounded; left ``None``, every later step kept such gradients unrounded and the run drifted
+    from FP32 masters' from the first clipped step on."""
     params = [p for p in params if not p.grad.is_sparse]
     if not params:
         return
@@ -55,6 +58,16 @@ def retype_grads(params: list[nn.Parameter], dtype: torch.dtype) -> None:
     for p, copy in zip(params, copies):
         p.grad_dtype = None
         p.grad = copy
+        if dtype == p.dtype:
+            p.grad_dtype = dtype
 
 
-__all__ = ["grads_of", "retype_grads", "upcast_accumulated"]
+def own_grad_dtype(params: list[nn.Parameter]) -> None:
+    """Each Parameter's ``grad_dtype`` set to its own dtype (autograd's default) where its gradient allows: one set
+    explicitly for another dtype (FP32 while it was an FP32 Parameter) would make autograd cast every gradient to it."""
+    for p in params:
+        if p.grad is None or p.grad.dtype == p.dtype:
+            p.grad_dtype = p.dtype
+
+
+__all__ = ["grads_of", "own_grad_dtype", "retype_grads", "upcast_accumulated"]
