@@ -81,6 +81,28 @@ def launch_ranks(worker: str | Path, out: Path, *args: Any, devices: int = 2, ti
     return [torch.load(out / f"rank{r}.pt") for r in range(devices)]
 
 
+def torchrun_ranks(worker: str | Path, out: Path, *args: Any, devices: int = 2, timeout: float = 420) -> list[Any]:
+    """A test's worker as ``torchrun`` starts it: one process per rank with the environment torchrun sets (so Fabric
+    and the Trainer launch nothing), ``--out OUT`` and ``args``; each rank's result from ``OUT/rank<r>.pt``."""
+    import socket
+
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(devices), NODE_RANK="0")
+    cmd = [sys.executable, str(worker), "--out", str(out), *map(str, args)]
+    procs = [subprocess.Popen(cmd, env={**env, "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(devices)]
+    for proc in procs:
+        output, _ = proc.communicate(timeout=timeout)
+        done = subprocess.CompletedProcess(cmd, proc.returncode, output, output)
+        assert proc.returncode == 0 or exit_abort_after_results(done, out, devices), output[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
 def exit_abort_after_results(proc: subprocess.CompletedProcess, out: Path, devices: int) -> bool:
     """gloo (and torch.distributed.checkpoint's threads) now and then abort a process at interpreter exit, after
     everything it had to do is done and written: SIGABRT with this C++ message and every rank's result on disk.

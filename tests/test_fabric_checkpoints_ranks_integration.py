@@ -3,9 +3,6 @@
 SAM) under Fabric's ``"ddp"``. Full-file checkpoints across world sizes: tests/test_fabric_distributed.py."""
 
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -13,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.harness import clean_env, exit_abort_after_results
+from benchmarks.harness import torchrun_ranks
 from lightning_mp.fabric import MixedPrecisionPlugin
 from tests.fabric_ddp_worker import data, micro_batch, mlp
 
@@ -27,19 +24,7 @@ pytestmark = [
 
 def launch(out: Path, *args, devices=2):
     """One process per rank with the environment torchrun sets; each rank's results by phase."""
-    out.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(devices), NODE_RANK="0")
-    cmd = [sys.executable, WORKER, "--out", str(out), "--devices", str(devices), *map(str, args)]
-    procs = [subprocess.Popen(cmd, env={**env, "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(devices)]
-    for proc in procs:
-        output, _ = proc.communicate(timeout=300)
-        done = subprocess.CompletedProcess(cmd, proc.returncode, output, output)
-        assert proc.returncode == 0 or exit_abort_after_results(done, out, devices), output[-3000:]
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+    ranks = torchrun_ranks(WORKER, out, "--devices", devices, *args, devices=devices, timeout=300)
     for phase, result in ranks[0].items():
         assert phase == "compensated" or "error" not in result, f"{phase}: {result.get('error')}"
     return ranks

@@ -4,16 +4,13 @@ under ``fabric.no_backward_sync``. Each launch runs every phase in the same two 
 (the accumulation's reference, the checkpoints' other world size) run here."""
 
 import os
-import socket
-import subprocess
-import sys
 
 import lightning as L
 import pytest
 import torch
 from torch import nn
 
-from benchmarks.harness import clean_env, exit_abort_after_results
+from benchmarks.harness import exit_abort_after_results, torchrun_ranks
 from benchmarks.harness import launch as run_script
 from lightning_mp.fabric import MixedPrecisionPlugin
 from tests.fabric_ddp_worker import data, micro_batch, mlp
@@ -27,19 +24,7 @@ pytestmark = [
 
 def launch(out, *args, devices=2):
     """One process per rank with the environment torchrun sets (Fabric then launches nothing itself)."""
-    out.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(devices), NODE_RANK="0")
-    cmd = [sys.executable, WORKER, "--out", str(out), *map(str, args)]
-    procs = [subprocess.Popen(cmd, env={**env, "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(devices)]
-    for proc in procs:
-        output, _ = proc.communicate(timeout=420)
-        done = subprocess.CompletedProcess(cmd, proc.returncode, output, output)
-        assert proc.returncode == 0 or exit_abort_after_results(done, out, devices), output[-3000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+    return torchrun_ranks(WORKER, out, *args, devices=devices)
 
 
 def plugin_for(precision):

@@ -7,14 +7,11 @@ before or after the switch resumes bit for bit in the right format; FSDP2 refuse
 name. One launch runs every phase in the same two processes (each phase with a Fabric or a Trainer of its own)."""
 
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from benchmarks.harness import clean_env, exit_abort_after_results
+from benchmarks.harness import torchrun_ranks
 from tests.ladder_worker import STEPS, SWITCH
 
 WORKER = os.path.join(os.path.dirname(__file__), "ladder_worker.py")
@@ -37,20 +34,7 @@ REFUSED = ["fabric-fsdp2-bf16-fp16", "trainer-fsdp2-bf16-fp16"]
 
 
 def launch(out, phases, devices=2):
-    """One process per rank with the environment torchrun sets (Fabric and the Trainer then launch nothing)."""
-    out.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(devices), NODE_RANK="0")
-    cmd = [sys.executable, WORKER, "--out", str(out), "--phases", ",".join(phases)]
-    procs = [subprocess.Popen(cmd, env={**env, "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(devices)]
-    for proc in procs:
-        output, _ = proc.communicate(timeout=420)
-        done = subprocess.CompletedProcess(cmd, proc.returncode, output, output)
-        assert proc.returncode == 0 or exit_abort_after_results(done, out, devices), output[-3000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+    return torchrun_ranks(WORKER, out, "--phases", ",".join(phases), devices=devices)
 
 
 @pytest.fixture(scope="module")
