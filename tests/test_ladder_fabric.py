@@ -313,3 +313,18 @@ def test_precision_monitor_shows_the_format_over_steps_and_says_when_the_loss_sc
     assert [e.value for e in acc.Scalars("precision/loss_scale")] == [256.0] * SWITCH + [1.0] * (STEPS - SWITCH)
     [text] = [e for e in acc.Tensors("precision/schedule/text_summary")]
     assert text.step == SWITCH and b"the loss scale retires" in text.tensor_proto.string_val[0]
+
+
+def test_lean_with_bf16_moments_to_fp32_masters_upcasts_the_optimizer_state_and_trains_as_a_resume(tmp_path):
+    """Fabric hands the plugin its optimizers at their first step, not at a connect: lean bf16's bf16 moments must
+    still become FP32 at the switch (torch's AdamW refuses bf16 moments beside FP32 Parameters: "expected dtype
+    BFloat16"), and the run goes on as a resume of the lean run's checkpoint under FP32 masters, bit for bit."""
+    lean = {"optimizer_state_dtype": torch.bfloat16}
+    run = Run(plugin_for("lean", {SWITCH: {"master_weights": True}}, **lean)).train(STEPS)
+    assert column(run, "lean") == [True] * SWITCH + [False] * (STEPS - SWITCH)
+    assert {t.dtype for s in run.opt.optimizer.state.values() for t in s.values() if t.dim()} == {torch.float32}
+    Run(plugin_for("lean", None, **lean)).train(SWITCH).save(tmp_path / "lean.pt")
+    resumed = Run(MixedPrecisionPlugin("bf16"))
+    resumed.load(tmp_path / "lean.pt")
+    resumed.train(STEPS - SWITCH)
+    assert bitwise(final(resumed), final(run))

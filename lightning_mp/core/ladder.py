@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from lightning_mp.core.wiring import recorded_optimizers
 from lightning_mp.formats import resolve_precision
 from lightning_mp.numerics.distributed import average_fp32_grads_per_step, rank
 
@@ -172,7 +173,7 @@ def switch(old: Any, new: Any, step: int | None, rung: str) -> None:
     moves and what stays)."""
     old.step.settle(stop=False)  # the last step's flag read: counted in the state that carries over
     state, calls = old.state_dict(), list(old.calls)
-    optimizers = [o for name, args in calls if name == "connect" for o in args[2]]
+    optimizers = recorded_optimizers(calls)
     held = old.masters.held_copies() if old.masters is not None else []
     averaged = old.step.reduce_ is not None  # DDP with master weights: its own sync off, the step averaged
     old.teardown()

@@ -22,6 +22,12 @@ from lightning_mp.numerics.sharding import is_sharded
 from lightning_mp.policy.policy import refuse_16_bit_batch_norm
 
 
+def recorded_optimizers(calls: list[tuple[str, tuple]]) -> list[Optimizer]:
+    """The optimizers in a core's recorded calls: ``connect``'s and ``watch_optimizers``'."""
+    return [o for name, args in calls if name in ("connect", "watch_optimizers")
+            for o in (args[2] if name == "connect" else args[0])]
+
+
 class FitWiring:
     """``convert``, ``connect``, ``guard_schedulers`` and ``teardown``, a base class of
     :class:`~lightning_mp.core.MixedPrecisionCore`: they read the parts its ``__init__`` built (format, scaler,
@@ -90,6 +96,17 @@ class FitWiring:
             self.step.on_overflow = LocateOverflow(self)
             self._handles.append(locator)
         return verdict
+
+    def watch_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Optimizers a front end meets outside ``connect`` (Fabric's, at ``setup_optimizers`` or their first step):
+        lean bf16 keeps their FP32 state FP32 through a load, and a schedule's switch keeps their state (each is
+        recorded once)."""
+        seen = set(map(id, recorded_optimizers(self.calls)))
+        new = [o for o in optimizers if id(o) not in seen]
+        if new:
+            self.calls.append(("watch_optimizers", (new,)))
+        if self.lean is not None:
+            self.lean.watch(optimizers)
 
     def data_parallel(self, model: nn.Module) -> None:
         """With master weights, a DDP wrapper's own gradient sync goes off and the step averages the FP32 gradients

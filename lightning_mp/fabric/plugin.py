@@ -111,8 +111,7 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
         """With ``master_weights="compensated"``: keep these optimizers' FP32 state FP32 through ``fabric.load``
         (torch casts loaded state to the bf16 Parameters' dtype). Call it before ``fabric.load``; the first
         ``optimizer.step()`` does it for an optimizer not set up. Otherwise nothing changes."""
-        if self.core.lean is not None:
-            self.core.lean.watch([getattr(o, "optimizer", o) for o in optimizers])  # Fabric's wrapper: the optimizer
+        self.core.watch_optimizers([getattr(o, "optimizer", o) for o in optimizers])  # Fabric's wrapper: the optimizer
 
     @override
     def teardown(self) -> None:
