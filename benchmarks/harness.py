@@ -96,8 +96,13 @@ def torchrun_ranks(worker: str | Path, out: Path, *args: Any, devices: int = 2, 
     cmd = [sys.executable, str(worker), "--out", str(out), *map(str, args)]
     procs = [subprocess.Popen(cmd, env={**env, "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(devices)]
-    for proc in procs:
-        output, _ = proc.communicate(timeout=timeout)
+    try:
+        outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+    except subprocess.TimeoutExpired as err:  # a rank left waiting in a collective: none outlives the test
+        for proc in procs:
+            proc.kill()
+        raise AssertionError(f"{Path(worker).name}: a rank ran past {timeout} s; every rank killed") from err
+    for proc, output in zip(procs, outputs):
         done = subprocess.CompletedProcess(cmd, proc.returncode, output, output)
         assert proc.returncode == 0 or exit_abort_after_results(done, out, devices), output[-3000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
