@@ -52,6 +52,8 @@ DRIVEN_ELSEWHERE = {
         "tests/test_packaging.py::test_first_python_block_runs_in_the_clean_environment",
     "pip wheel . --no-deps -w dist && pip install dist/lightning_mp-*.whl":
         "tests/test_packaging.py::test_first_python_block_runs_in_the_clean_environment",
+    "python benchmarks/fidelity.py --out runs/fidelity.md":
+        "tests/test_fidelity_script.py::test_quick_run_prints_every_row_for_both_models_and_the_statements",
     'pip install -e ".[site]" && mkdocs build --strict -d build/site':
         "tests/test_docs.py::test_the_docs_build_with_warnings_as_errors",  # + .ci/run
 }  # fmt: skip
@@ -90,6 +92,8 @@ RUN_HERE = {
                                                "--batch-size", "2", "--steps", "2"], "lightning_mp bf16"),
     "python benchmarks/fabric_benchmark.py": (["--rounds", "1", "--steps", "1", "--warmup", "1", "--batch-size", "2",
                                                "--block-size", "16", "--n-layer", "1", "--n-embd", "32"], "|"),
+    "python benchmarks/fabric_benchmark.py --models mlp --rounds 10 --steps 20": (
+        ["--rounds", "1", "--steps", "1", "--warmup", "1", "--settings", "one"], "tiny MLP"),
     "python benchmarks/after_fabric_benchmark.py --rounds 7": (["--rounds", "1", "--reps", "5"], "vs fresh"),
     "python benchmarks/lora_memory_benchmark.py": (["--hidden", "64", "--layers", "1", "--vocab", "512", "--seq", "16",
                                                     "--steps", "1", "--threads", "1"], "peak above base"),
