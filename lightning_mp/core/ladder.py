@@ -43,7 +43,7 @@ import torch
 
 from lightning_mp.core.wiring import recorded_optimizers
 from lightning_mp.formats import resolve_precision
-from lightning_mp.numerics.distributed import average_fp32_grads_per_step, rank
+from lightning_mp.numerics.distributed import rank
 
 log = logging.getLogger("lightning_mp.schedule")  # infos printed (lightning_mp._logging), on rank 0
 
@@ -84,7 +84,6 @@ class Ladder:
             except ValueError as error:  # the argument's own message, and the entry that set it
                 raise ValueError(f"schedule[{when!r}]={entry!r}: {error}") from None
             self.rungs.append(rung)
-        self.make_core = make_core
         self.starts: list[int] | None = None  # resolved: the step each rung >= 1 begins at
         self.current = 0
 
@@ -152,10 +151,6 @@ class Ladder:
                 f"{len(self.rungs)} rung(s) (0 is the plugin's own arguments). HINT: resume with the schedule the "
                 "run was started with.")
         return rung
-
-    @staticmethod
-    def label(core: Any) -> str:
-        return label(core)
 
     def describe(self, rung: int) -> str:
         changed = {k: v for k, v in self.rungs[rung].items() if self.rungs[rung - 1].get(k) != v} if rung else {}
@@ -231,7 +226,7 @@ def _keep_averaging(new: Any, models: list[Any]) -> None:
     all-reduce per run of contiguous gradients: DDP's cost). Before, nothing averaged them and the ranks drifted
     apart from the switch on."""
     for model in models:
-        new._handles.extend(average_fp32_grads_per_step(model, new.step))
+        new.average_per_step(model)
 
 
 def _fp32_state(optimizers: list[Any]) -> None:

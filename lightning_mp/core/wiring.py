@@ -117,7 +117,13 @@ class FitWiring:
 
     def _data_parallel(self, model: nn.Module) -> None:
         if self.masters is not None:
-            self._handles.extend(average_fp32_grads_per_step(model, self.step))
+            self.average_per_step(model)
+
+    def average_per_step(self, model: nn.Module) -> None:
+        """A DDP wrapper's own gradient sync off until teardown, the step averaging the FP32 gradients once
+        (:func:`~lightning_mp.numerics.distributed.average_fp32_grads_per_step`). Master weights need it; a schedule's
+        rung without them keeps it where an earlier rung turned DDP's sync off (:mod:`.ladder`)."""
+        self._handles.extend(average_fp32_grads_per_step(model, self.step))
 
     def guard_schedulers(self, schedulers: Sequence[Any]) -> None:
         """With ``skip_scheduler_on_overflow``, these schedulers do not advance right after a skipped step."""

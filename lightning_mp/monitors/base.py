@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_mp.core.ladder import label
 from lightning_mp.lightning.plugin import MixedPrecisionPlugin
 
 
@@ -109,7 +110,7 @@ def format_metrics(plugin: Any, loggers: Iterable[Any], seen: tuple[int, bool], 
         rungs = range(seen[0] + 1, now[0] + 1) if now[0] > seen[0] else [now[0]]
         for rung in rungs:
             begun = ladder.starts[rung - 1] if rung and ladder.starts else step
-            text = f"step {begun}: " + (f"{ladder.label(plugin.core)} ({ladder.describe(rung)})" if rung == now[0]
+            text = f"step {begun}: " + (f"{label(plugin.core)} ({ladder.describe(rung)})" if rung == now[0]
                                         else ladder.describe(rung))
             if rung == now[0] and seen[1] and not now[1]:
                 text += "; the loss scale retires (1.0 from now on)"
