@@ -1,3 +1,4 @@
+import functools
 import os
 import time
 
@@ -10,6 +11,23 @@ from torch.utils.data import DataLoader, TensorDataset
 os.environ.setdefault("PL_DISABLE_FORK", "1")
 
 _NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@functools.cache
+def has_torchao() -> bool:
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture
+def fp8_needs_torchao(request):
+    """A test whose name or parameters say fp8 skips where torchao is missing (the GPU machine's image has none):
+    ``precision="fp8"`` refuses to start without it. Used with ``pytest.mark.usefixtures``."""
+    if "fp8" in request.node.name and not has_torchao():
+        pytest.skip("precision='fp8' needs torchao: pip install 'lightning_mp[fp8]'")
 
 
 def cuda(test):

@@ -9,6 +9,8 @@ from torch import nn
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.core.ladder import Ladder, label, run_length
 
+pytestmark = pytest.mark.usefixtures("fp8_needs_torchao")
+
 
 def ladder(precision="fp16", schedule=None, **kwargs):
     return MixedPrecisionPlugin(precision, schedule=schedule, **kwargs).ladder
@@ -29,9 +31,9 @@ def test_a_precision_string_and_a_dict_of_arguments_each_make_a_rung_on_top_of_t
 
 
 def test_entries_are_ordered_by_when_not_by_how_they_were_written():
-    lad = ladder("fp8", {0.9: "fp32", 0.5: "bf16"})
+    lad = ladder("fp16", {0.9: "fp32", 0.5: "bf16"})
     assert lad.whens == [0.5, 0.9]
-    assert [r["precision"] for r in lad.rungs] == ["fp8", "bf16", "fp32"]
+    assert [r["precision"] for r in lad.rungs] == ["fp16", "bf16", "fp32"]
 
 
 def test_aliases_are_taken_as_the_plugin_takes_them():
@@ -152,7 +154,7 @@ def test_a_lean_knob_named_by_the_entry_stays():
 
 # ------------------------------------------------------------------------------------------------ which rung, when
 def test_rung_at_gives_the_rung_computing_each_step():
-    lad = ladder("fp8", {3: "bf16", 7: "fp32"})
+    lad = ladder("fp16", {3: "bf16", 7: "fp32"})
     lad.resolve(None)
     assert [lad.rung_at(step) for step in range(10)] == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
 

@@ -15,6 +15,8 @@ from benchmarks.harness import live_storage_bytes
 from lightning_mp.fabric import MixedPrecisionPlugin
 from lightning_mp.fp8.linears import Fp8Forward
 
+pytestmark = pytest.mark.usefixtures("fp8_needs_torchao")
+
 SWITCH = 3  # the first optimizer step computed in the new setting
 STEPS = 6
 

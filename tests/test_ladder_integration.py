@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mp import LossScaleMonitor, MixedPrecisionPlugin
 from tests.conftest import trainer_kwargs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fp8_needs_torchao")]
 STEPS, SWITCH = 6, 3  # the schedule's switch: step 3 is the first computed in the new setting
 FP8 = {"fp8_modules": [nn.Linear]}  # every Linear of the MLP multiplies in FP8 (torchao's size rule picks none)
 
@@ -362,7 +362,7 @@ def test_a_fraction_of_the_run_becomes_a_step_of_max_steps_or_of_the_epochs(leng
     assert formats(model) == [(s, "fp16") for s in range(5)] + [(s, "bf16") for s in range(5, 10)]
 
 
-def test_a_schedule_of_several_rungs_climbs_each_in_turn():
+def test_a_schedule_of_several_rungs_fp16_fp8_bf16_fp32_climbs_each_in_turn():
     plugin = MixedPrecisionPlugin("fp16", schedule={2: {"precision": "fp8", **FP8}, 4: "bf16", 5: "fp32"})
     model, _ = fit(plugin)
     assert formats(model) == [(0, "fp16"), (1, "fp16"), (2, "fp8"), (3, "fp8"), (4, "bf16"), (5, "fp32")]
