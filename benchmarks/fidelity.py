@@ -59,6 +59,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's lightning_mp
 
 from lightning_mp import MixedPrecisionPlugin  # noqa: E402
+from lightning_mp.core.ladder import label  # noqa: E402
 from lightning_mp.demos.gpt import GPT, RECIPE, lr_factor  # noqa: E402
 from lightning_mp.demos.seeds import seed_list  # noqa: E402
 from lightning_mp.demos.text import StdlibTextDataModule  # noqa: E402
@@ -184,7 +185,7 @@ class Recorder(Callback):
         plugin = trainer.precision_plugin
         core = getattr(plugin, "core", None)
         if core is not None:
-            self.formats.append(plugin.ladder.label(core))
+            self.formats.append(label(core))
             self.fp8_linears.append(len(core.fp8.chosen) if core.fp8.enabled else 0)
 
 
