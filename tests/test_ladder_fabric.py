@@ -51,10 +51,8 @@ class Run:
         self.params = list(self.net.parameters())
         self.seen, self.steps, self.weights = [], [], []
         self.start = 0  # the next step
-        self.net[0].register_forward_hook(self._hook)
-
-    def _hook(self, module, args, out):
-        self.seen.append(out.dtype)
+        seen = self.seen  # the hook holds the list, not the run: a dropped run's plugin is collected (its kernels go)
+        self.net[0].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
 
     def save(self, path):
         self.fabric.save(path, {"model": self.model, "optimizer": self.opt, "precision": self.plugin,
