@@ -13,6 +13,18 @@ from lightning_mp import Fp32Policy
 from lightning_mp.compile_key import count_part, current_parts, set_part
 from lightning_mp.gemm.emulation import GemmEmulation
 
+def seen_by_a_compile() -> str:
+    """The cache key tag inside a compile starting now (where torch computes its cache keys)."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(compiler_config.cache_key_tag)
+        return gm.forward
+
+    torch.compile(lambda x: x + 1, backend=backend)(torch.ones(2))  # a new code object: always compiled
+    return seen[0]
+
+
 @pytest.fixture(autouse=True)
 def _nothing_held_before():
     gc.collect()  # a plugin an earlier test dropped in the middle of its loop releases its kernels when collected
@@ -28,7 +40,7 @@ def test_the_policy_names_its_plan_in_the_tag_while_it_is_held_and_whether_it_is
     default, fewer = Fp32Policy(), Fp32Policy(ops={"softmax"})
     with default.activate():
         held = current_parts()["fp32_policy"]
-        assert held.endswith("+") and compiler_config.cache_key_tag == f"{base}|lightning_mp.fp32_policy={held}"
+        assert held.endswith("+") and seen_by_a_compile() == f"{base}|lightning_mp.fp32_policy={held}"
         with fewer.activate():  # another plan: another name, both listed
             assert len(current_parts()["fp32_policy"].split(",")) == 2
         assert current_parts()["fp32_policy"] == held
@@ -36,7 +48,31 @@ def test_the_policy_names_its_plan_in_the_tag_while_it_is_held_and_whether_it_is
         assert current_parts()["fp32_policy"] == held[:-1] + "-"
         with default.switched_on():
             assert current_parts()["fp32_policy"] == held
-    assert current_parts() == {} and compiler_config.cache_key_tag == base
+        assert seen_by_a_compile() == f"{base}|lightning_mp.fp32_policy={held[:-1]}-"
+    assert current_parts() == {} and seen_by_a_compile() == base and compiler_config.cache_key_tag == base
+
+
+def test_switching_writes_no_config_only_a_compile_does(monkeypatch):
+    """The Fabric plugin switches the kernels twice per iteration: a dict update each, the tag written by the next
+    compile (a write through torch.compiler.config cost ~5% of a tiny MLP's step)."""
+    writes, base = [], compiler_config.cache_key_tag
+    real_setattr = type(compiler_config).__setattr__
+
+    def recording_setattr(self, name, value):
+        if name == "cache_key_tag":
+            writes.append(value)
+        real_setattr(self, name, value)
+
+    monkeypatch.setattr(type(compiler_config), "__setattr__", recording_setattr)
+    policy = Fp32Policy()
+    with policy.activate(on=False):
+        for _ in range(3):
+            with policy.switched_on():
+                assert current_parts()["fp32_policy"].endswith("+")
+        assert writes == []
+        assert seen_by_a_compile().endswith("-") and len(writes) == 1
+    monkeypatch.undo()
+    assert seen_by_a_compile() == base == compiler_config.cache_key_tag
 
 
 def test_the_plans_name_is_the_same_in_every_process_so_runs_in_one_state_share_the_disk_cache():
@@ -70,12 +106,12 @@ def test_a_tag_the_user_set_stays_in_front_and_comes_back():
         count_part("gemm_emulated", "fp16", +1)
         count_part("gemm_emulated", "bf16", +1)
         ours = "|lightning_mp.fp32_policy=abc+|lightning_mp.gemm_emulated="
-        assert compiler_config.cache_key_tag == f"mine{ours}bf16,fp16"
+        assert seen_by_a_compile() == f"mine{ours}bf16,fp16"
         compiler_config.cache_key_tag = "theirs"  # changed by the user meanwhile: their new tag is the base
         count_part("gemm_emulated", "bf16", -1)
-        assert compiler_config.cache_key_tag == f"theirs{ours}fp16"
+        assert seen_by_a_compile() == f"theirs{ours}fp16"
         count_part("gemm_emulated", "fp16", -1)
         set_part("fp32_policy", None)
-        assert compiler_config.cache_key_tag == "theirs" and current_parts() == {}
+        assert seen_by_a_compile() == "theirs" and current_parts() == {}
     finally:
         compiler_config.cache_key_tag = base

@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_mp.compile_key import current_parts
 from lightning_mp.fabric import MixedPrecisionPlugin
+from lightning_mp.fabric import kernels as fabric_kernels
 from lightning_mp.policy import dispatch
 from lightning_mp.policy.dispatch import active_kernels
 from tests.test_fabric import batches, fabric_for, tiny_net, train
@@ -82,13 +83,13 @@ def test_between_iterations_the_policy_is_switched_off_and_the_gemms_kernels_are
 
 
 def test_the_policy_is_switched_on_once_per_iteration_from_the_forward_to_the_end_of_its_backward():
-    # before: switched on and off around the forward and again around the backward, 4 switches an iteration (each a
-    # counter per kernel and a write of torch.compile's cache tag: 85 us of a tiny MLP's ~1.3 ms CPU step)
+    # before: switched on and off around the forward and again around the backward, 4 switches an iteration (each then
+    # a counter per kernel and a write of torch.compile's cache tag: 85 us of a tiny MLP's ~1.3 ms CPU step)
     gc.collect()
     plugin, fabric, model, optimizer = setup()
     train(fabric, model, optimizer, batches(1))
     ((x, y),) = batches(1)
-    with mock.patch.object(dispatch, "_switch", wraps=dispatch._switch) as switch:
+    with mock.patch.object(fabric_kernels, "switch", wraps=dispatch.switch) as switch:
         loss = nn.functional.mse_loss(model(x), y)
         assert autocast_softmax_dtype(x) == torch.float32  # between the forward and its backward: on
         loss = loss + nn.functional.mse_loss(model(x), y)  # a second forward (a GAN's): already on

@@ -465,3 +465,30 @@ def test_a_hold_released_by_a_finalizer_inside_a_registration_does_not_deadlock(
     assert not worker.is_alive(), "deadlocked"
     assert not dropped.active
 
+
+
+def test_plans_that_share_kernels_switch_them_apart_each_its_own_ops() -> None:
+    """A plan's kernels move on one counter (one switch, not one per kernel); a kernel another plan also holds gets a
+    counter of its own that both plans move: switching one plan on never switches the other plan's other ops."""
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    wide, narrow = Fp32Policy(), Fp32Policy(ops={"softmax"})  # the default table holds softmax and layer_norm
+
+    def dtypes():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.softmax(x, -1).dtype, F.layer_norm(x, (8,)).dtype
+
+    with wide.activate(on=False), narrow.activate(on=False):
+        assert dtypes() == (torch.bfloat16, torch.bfloat16)  # both off: autocast's own dtypes
+        with narrow.switched_on():
+            assert dtypes() == (torch.float32, torch.bfloat16)  # the shared softmax on, wide's layer_norm not
+        with wide.switched_on():
+            assert dtypes() == (torch.float32, torch.float32)
+            with narrow.switched_on():
+                pass
+            assert dtypes() == (torch.float32, torch.float32)  # narrow's end leaves wide's hold on softmax
+        assert dtypes() == (torch.bfloat16, torch.bfloat16)
+    with narrow.activate(on=False), wide.activate(on=False):  # the other order of registration
+        with wide.switched_on():
+            assert dtypes() == (torch.float32, torch.float32)
+        with narrow.switched_on():
+            assert dtypes() == (torch.float32, torch.bfloat16)

@@ -15,19 +15,18 @@ another autocast user in the process (Lightning's ``bf16-mixed``) then sees torc
 
 What it costs
 -------------
-Unlisted ops: nothing (the dispatcher's table lookup is the same with or without the registrations). Outside
-``torch.autocast`` nothing runs either: the keys are excluded from dispatch then. A listed op pays a Python
-call (a few microseconds) plus the upcast copies autocast's FP32 list also makes (read 2 bytes, write 4 per
-element of each 16-bit input) and an FP32 output. Registering a plan is a table update per overload (about 1 ms
-for the default table, a sixth of that to take it out): once per fit for the Trainer, once per iteration for Fabric.
+Unlisted ops: nothing (the dispatcher's table lookup is the same with or without the registrations); outside
+``torch.autocast`` nothing runs either (the keys are excluded from dispatch). A listed op pays a Python call (a few
+microseconds), the upcast copies autocast's FP32 list also makes, and an FP32 output. Registering a plan is a table
+update per overload (about 1 ms for the default table, a sixth of that to take it out): once per fit for the Trainer,
+once per plugin for Fabric, which switches the kernels on and off each iteration (:func:`switch`: a counter).
 
 Why process-global
 ------------------
-Autocast state is replayed where torch recomputes or differentiates: activation checkpointing (reentrant and
-not) re-enters autocast for the recomputation, on CUDA on autograd's device threads. A thread-local switch would
-be off there; the registrations are seen by every thread. The flip side: while a plan is active, every thread
-in the process that runs under autocast gets the listed ops in FP32. Plans held at the same time add up: the
-union of their overloads is FP32 (each overload's kernel is the same whichever plan asked for it).
+Autocast state is replayed where torch recomputes or differentiates: activation checkpointing re-enters autocast
+for the recomputation, on CUDA on autograd's device threads, where a thread-local switch would be off. The flip side:
+while a plan is active, every thread that runs under autocast gets the listed ops in FP32. Plans held at the same
+time add up: the union of their overloads is FP32 (an overload's kernel is the same whichever plan asked for it).
 
 ``torch.compile`` traces through the kernels (Dynamo's fake tensors reach them like real ones), so compiled
 graphs have the listed ops in FP32. Dynamo does not guard on the registrations: a graph compiled by a lowering
@@ -59,8 +58,8 @@ _FP32 = torch.float32
 
 
 def _up(obj: Any) -> Any:
-    """A 16-bit floating tensor as FP32 (also inside a Tensor[] list), anything else as it is: a few bytecodes for a
-    tensor and for an int list (``normalized_shape``), as it runs per argument of every listed op call."""
+    """A 16-bit floating tensor as FP32 (also inside a Tensor[] list), anything else as it is (per argument of every
+    listed op call: a few bytecodes for a tensor and for an int list, ``normalized_shape``)."""
     if isinstance(obj, torch.Tensor):
         return upcast(obj)
     if isinstance(obj, (list, tuple)) and any(isinstance(item, torch.Tensor) for item in obj):
@@ -70,19 +69,20 @@ def _up(obj: Any) -> Any:
 
 @contextlib.contextmanager
 def switched_on(plan: frozenset[tuple[str, str, Rule]]) -> Iterator[None]:
-    """The plan's registered kernels compute in FP32 inside the block (process-wide; nests): a counter per overload,
-    no registration (hold ``activate(on=False)`` around it). A registered kernel that no hold switches on does what
-    autocast does for that overload (at the cost of a Python call); other plans' kernels stay as they are."""
-    _switch(plan, 1)
+    """The plan's registered kernels compute in FP32 inside the block (process-wide; nests): :func:`switch`, on and
+    off. A registered kernel that no hold switches on does what autocast does (at the cost of a Python call)."""
+    switch(plan, 1)
     try:
         yield
     finally:
-        _switch(plan, -1)
+        switch(plan, -1)
 
 
-def _switch(plan: frozenset[tuple[str, str, Rule]], delta: int) -> None:
+def switch(plan: frozenset[tuple[str, str, Rule]], delta: int) -> None:
+    """One hold more (``+1``) or less (``-1``) switching the plan's registered kernels on: a counter for the plan
+    (one per kernel cost ~10 us a switch inside a step, for ~100) and one per kernel another plan shares."""
     with _LOCK:
-        for cell in _CELLS.get(plan, ()):  # a counter per kernel, listed once per plan (a few us per switch)
+        for cell in _CELLS.get(plan, ()):
             cell[0] += delta
         if plan in _CELLS:
             _ON[plan] = _ON.get(plan, 0) + delta
@@ -109,18 +109,17 @@ def _autocast_off(op: Any, key: str, overload: str) -> Callable[..., Any] | None
     return fallthrough
 
 
-def _make_kernel(op: Any, rule: Rule, off: Callable[..., Any] | None, on: list[int],
+def _make_kernel(op: Any, rule: Rule, off: Callable[..., Any] | None, on: list[list[int]],
                  fp32_elsewhere: Callable[[], bool] = bool) -> Callable[..., Any]:
-    """The kernel of one overload (``off``: what runs while no hold switches the kernels on). The dispatcher passes
-    the schema's positional arguments positionally (trailing defaults dropped) and keyword-only ones by name (only
-    when given)."""
+    """The kernel of one overload (``off``: what runs while ``on[0][0]`` is 0). The dispatcher passes the schema's
+    positional arguments positionally (trailing defaults dropped), keyword-only ones by name (only when given)."""
     exclude = torch._C._ExcludeDispatchKeyGuard
 
     if rule.lower:  # an unlisted op autocast would run in FP32: as given, as for an op on none of its lists
-        fp32 = _make_kernel(op, rule._replace(lower=False), None, [1])  # autocast's own FP32 treatment
+        fp32 = _make_kernel(op, rule._replace(lower=False), None, [[1]])  # autocast's own FP32 treatment
 
         def lower_kernel(*args: Any, **kwargs: Any) -> Any:
-            if not on[0] or fp32_elsewhere():  # plans that disagree: FP32 wins (see _register)
+            if not on[0][0] or fp32_elsewhere():  # plans that disagree: FP32 wins (see _register)
                 return fp32(*args, **kwargs)
             with exclude(_NO_AUTOCAST):
                 return op(*args, **kwargs)
@@ -131,7 +130,7 @@ def _make_kernel(op: Any, rule: Rule, off: Callable[..., Any] | None, on: list[i
         index, kwarg_only = rule.dtype_index, rule.dtype_kwarg_only
 
         def set_dtype_kernel(*args: Any, **kwargs: Any) -> Any:
-            if not on[0] and off is not None:
+            if not on[0][0] and off is not None:
                 return off(*args, **kwargs)
             if getattr(args[0], "dtype", None) not in HALF_DTYPES:  # FP32/FP64 input: nothing (RMSNorm's mean)
                 with exclude(_NO_AUTOCAST):
@@ -151,7 +150,7 @@ def _make_kernel(op: Any, rule: Rule, off: Callable[..., Any] | None, on: list[i
     batch_norm = rule.kind == BATCH_NORM
 
     def upcast_kernel(*args: Any, **kwargs: Any) -> Any:
-        if not on[0] and off is not None:
+        if not on[0][0] and off is not None:
             return off(*args, **kwargs)
         # batch norm with a 16-bit input and FP32 weight and statistics runs mixed-dtype natively: statistics in
         # FP32 inside the kernel, no FP32 copy of the activation for autograd to keep (see _native_mixed_batch_norm)
@@ -165,12 +164,7 @@ def _make_kernel(op: Any, rule: Rule, off: Callable[..., Any] | None, on: list[i
     return upcast_kernel
 
 
-def _op(overload: str) -> Callable[..., Any]:
-    packet, _, name = overload.partition(".")
-    return getattr(getattr(torch.ops.aten, packet), name or "default")
-
-
-# (autocast key, overload) -> [holds, the Library holding its kernel, [holds that switch it on], rule.lower, kernel]
+# (autocast key, overload) -> [holds, the Library holding its kernel, [its switch: [holds]], rule.lower, kernel]
 _KERNELS: dict[tuple[str, str], list[Any]] = {}
 # active plans (frozensets of (key, overload, rule)) -> number of handles holding each, and the kernels' switches
 _PLANS: dict[frozenset[tuple[str, str, Rule]], int] = {}
@@ -183,19 +177,20 @@ _TARGETS: dict[tuple[str, str], tuple[Any, Any]] = {}  # (key, overload) -> the 
 _LOCK = threading.RLock()
 
 
-def _register(lib: Any, key: str, overload: str, rule: Rule) -> list[Any]:
+def _register(lib: Any, key: str, overload: str, rule: Rule, cell: list[int]) -> list[Any]:
     """The :data:`_KERNELS` entry of one overload, its kernel registered in ``lib``. A kernel that keeps an op in 16
-    bits computes it in FP32 while another plan switched on computes it in FP32 at the other device's key (a bf16 and
-    an fp16 fit in one process: CUDA autocast runs `exp` in FP32 itself, so the fp16 plan shows its wish on the CPU)."""
-    on = [0]
+    bits computes it in FP32 while another plan switched on does so at the other device's key (a bf16 and an fp16 fit
+    in one process: CUDA autocast runs `exp` in FP32 itself, so the fp16 plan shows its wish on the CPU)."""
+    on = [cell]  # the counter that switches it on (its plan's), in a list: another plan gives it one of its own
     others = [(other, overload) for other in AUTOCAST_KEYS if other != key]
 
     def fp32_elsewhere() -> bool:
-        return any((e := _KERNELS.get(name)) is not None and e[2][0] > 0 and not e[3] for name in others)
+        return any((e := _KERNELS.get(name)) is not None and e[2][0][0] > 0 and not e[3] for name in others)
 
     found = _TARGETS.get((key, overload))
     if found is None:  # asked once per process, before a registration replaces autocast's own kernel
-        op = _op(overload)
+        packet, _, name = overload.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet), name or "default")
         found = _TARGETS[(key, overload)] = (op, _autocast_off(op, key, overload))
     kernel = _make_kernel(found[0], rule, found[1], on, fp32_elsewhere)
     lib.impl(overload, kernel, key)
@@ -203,8 +198,7 @@ def _register(lib: Any, key: str, overload: str, rule: Rule) -> list[Any]:
 
 
 def _note_state() -> None:
-    """The compile cache key's part for the policy (:mod:`lightning_mp.compile_key`; the lock held): each registered
-    plan by its digest, ``+`` where a hold switches it on."""
+    """The compile key's part for the policy (the lock held): each registered plan's digest, ``+`` where switched on."""
     for plan in _PLANS.keys() - _DIGESTS.keys():
         _DIGESTS[plan] = digest(repr(sorted(plan)))
     parts = sorted(_DIGESTS[plan] + ("+" if _ON.get(plan) else "-") for plan in _PLANS)
@@ -212,9 +206,8 @@ def _note_state() -> None:
 
 
 class Fp32Activation:
-    """A hold on an FP32 kernel plan, from :meth:`lightning_mp.Fp32Policy.activate`. ``remove()`` releases it
-    (idempotent); the kernels go when the last hold on them goes. Also a context manager. ``on=False`` registers
-    the kernels switched off: they compute in FP32 only inside :func:`switched_on`."""
+    """A hold on an FP32 kernel plan (:meth:`lightning_mp.Fp32Policy.activate`); ``remove()`` releases it, the kernels
+    go with the last hold. A context manager. ``on=False``: registered switched off (see :func:`switch`)."""
 
     def __init__(self, plan: frozenset[tuple[str, str, Rule]], on: bool = True) -> None:
         self._plan: frozenset[tuple[str, str, Rule]] | None = plan
@@ -228,21 +221,28 @@ class Fp32Activation:
                     with warnings.catch_warnings():  # overriding autocast's own kernel (a user-listed "matmul") warns
                         warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")  # once; remove() restores it
                         lib = None  # one for the plan's new kernels: half the time of one each (1 ms, not 2, for 100)
+                        cells = [[0]]  # the plan's counter, for its new kernels
                         for key, overload, rule in plan:
                             entry = _KERNELS.get((key, overload))
                             if entry is None:
                                 lib = lib or torch.library.Library("aten", "IMPL")
-                                entry = _KERNELS[(key, overload)] = _register(lib, key, overload, rule)
+                                entry = _KERNELS[(key, overload)] = _register(lib, key, overload, rule, cells[0])
+                            else:  # another plan's: a counter of its own, moved by every plan holding it
+                                own = entry[2][0] = [entry[2][0][0]]
+                                cells.append(own)
+                                for other, theirs in _CELLS.items():
+                                    if any(k == key and o == overload for k, o, _ in other):
+                                        theirs.append(own)
                             entry[0] += 1
                             done.append((key, overload))
                 except BaseException:
                     del _PLANS[plan]
                     _drop(done)
                     raise
-                _CELLS[plan] = [_KERNELS[name][2] for name in done]
+                _CELLS[plan] = cells
                 _note_state()
         if on:
-            _switch(plan, 1)
+            switch(plan, 1)
 
     @property
     def active(self) -> bool:
@@ -253,7 +253,7 @@ class Fp32Activation:
         if plan is None:
             return
         if self._on:
-            _switch(plan, -1)
+            switch(plan, -1)
         with _LOCK:
             count = _PLANS.pop(plan) - 1
             if count:
@@ -275,8 +275,8 @@ class Fp32Activation:
 
 
 def _drop(kernels: list[tuple[str, str]]) -> None:
-    """Release one hold on each kernel (the lock held); the last hold deregisters it. A plan's kernels share a Library
-    that goes with the last of them: where plans overlap, the ones still held get a Library each (an instant apart)."""
+    """Release one hold on each kernel (the lock held); the last hold deregisters it. A plan's kernels share a Library,
+    which goes with the last of them: where plans overlap, the ones still held get a Library each."""
     gone: dict[int, Any] = {}  # by id, the Libraries of the kernels that go
     for name in kernels:
         entry = _KERNELS[name]
