@@ -23,7 +23,8 @@ parts are stable strings); runs in different states never do. With no part set t
 When
 ----
 The parts change where a kernel set is registered, switched or entered (the Fabric plugin switches the policy's
-kernels twice per iteration): that costs a dict update. The tag itself is written by a callback torch runs at the
+kernels twice per iteration): that costs a dict update, or nothing for a part computed when asked (:func:`provide`,
+the policy's). The tag itself is written by a callback torch runs at the
 start of every compile, Dynamo's and a lazily compiled backward's (``torch._dynamo.callback``), where the cache keys
 are computed: the state at that moment is the state the trace records. Writing it at every switch instead (through
 ``torch.compiler.config``'s Python ``__setattr__``) cost about 5% of a tiny MLP's Fabric step. A compile outside our
@@ -41,11 +42,13 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Callable
 
 import torch.compiler.config as _compiler_config
 from torch._dynamo.callback import callback_handler
 
 _PARTS: dict[str, str] = {}
+_PROVIDERS: dict[str, Callable[[], str | None]] = {}  # parts computed when the tag is (the policy's: no cost per switch)
 _COUNTS: dict[str, dict[str, int]] = {}  # per counted part, its values and how many hold each
 # Re-entrant: a collected plugin's finalizer releases its kernels from wherever the collector runs, which can be
 # inside a write of the tag on this thread (an allocation there triggers it)
@@ -62,6 +65,16 @@ def set_part(name: str, value: str | None) -> None:
     """Our part ``name`` of the tag becomes ``value`` (``None``: no such part), from the next compile on."""
     with _LOCK:
         _write(name, value)
+
+
+def provide(name: str, part: Callable[[], str | None]) -> None:
+    """Our part ``name`` of the tag is ``part()`` (``None``: no such part), called when a compile starts."""
+    _PROVIDERS[name] = part
+
+
+def _parts() -> dict[str, str]:  # the lock held
+    provided = {name: value for name, part in _PROVIDERS.items() if (value := part()) is not None}
+    return {**_PARTS, **provided}
 
 
 def count_part(name: str, value: str, delta: int) -> None:
@@ -89,7 +102,7 @@ def tag() -> str:
         if current != _STATE["set"]:  # the user's tag (first time, or set since we wrote ours)
             _STATE["base"] = current
         base = _STATE["base"] or ""
-        return base + "".join(f"|lightning_mp.{key}={part}" for key, part in sorted(_PARTS.items()))
+        return base + "".join(f"|lightning_mp.{key}={part}" for key, part in sorted(_parts().items()))
 
 
 @callback_handler.register_start_callback
@@ -105,4 +118,4 @@ def _sync(_args: object = None) -> None:
 def current_parts() -> dict[str, str]:
     """Our parts of the tag now (for tests and diagnostics)."""
     with _LOCK:
-        return dict(_PARTS)
+        return _parts()

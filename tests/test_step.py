@@ -248,8 +248,10 @@ def test_the_layout_is_kept_across_steps_and_rebuilt_only_when_gradients_or_grou
     opt = torch.optim.SGD(params, lr=1.0)
     step = MixedPrecisionStep(LossScaler(None))
 
-    def builds():
-        with mock.patch("lightning_mp.numerics.step_grads.GradLayout", wraps=GradLayout) as built:
+    def builds():  # the layout's path, as for more than SMALL_CHECK elements or on a GPU
+        with mock.patch("lightning_mp.numerics.step_grads.GradLayout", wraps=GradLayout) as built, mock.patch(
+            "lightning_mp.numerics.step.few_cpu_grads", return_value=None
+        ):
             step.unscale_(opt)
             step.end_training_step()
         return built.call_count
@@ -268,6 +270,26 @@ def test_the_layout_is_kept_across_steps_and_rebuilt_only_when_gradients_or_grou
     assert builds() == 1
     loose[0].grad = torch.zeros(3, dtype=torch.float32).to_sparse()  # a loose gradient turned sparse
     assert builds() == 1
+
+
+@pytest.mark.parametrize("scale", [None, 1024.0])
+def test_a_small_cpu_models_gradients_are_checked_and_unscaled_as_they_are_without_a_layout(scale):
+    """Up to SMALL_CHECK FP32 elements on the CPU: one fused pass over the gradients themselves (validating a layout
+    cost more than the check on a tiny MLP); an inf or NaN anywhere is still found, and a scale divided out exactly."""
+    params, tiled, loose, flat = flat_model()
+    opt = torch.optim.SGD(params, lr=1.0)
+    step = MixedPrecisionStep(LossScaler("dynamic" if scale else None, init_scale=scale or 1.0))
+    for p in params:
+        p.grad.fill_(3.0 * (scale or 1.0))
+    with mock.patch("lightning_mp.numerics.step_grads.GradLayout", side_effect=AssertionError("a layout")):
+        assert step.unscale_(opt) is False
+        assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in params)
+        step.end_training_step()
+        for bad in (tiled[1], loose[0]):
+            bad.grad.view(-1)[1] = float("nan")
+            assert step.unscale_(opt) is True
+            step.end_training_step()
+            bad.grad.zero_()
 
 
 def test_a_new_loose_gradient_is_checked_in_the_cached_layout():

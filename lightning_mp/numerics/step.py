@@ -36,7 +36,7 @@ from lightning_mp.numerics.deferred import Deferral
 from lightning_mp.numerics.distributed import agree_on_overflow_
 from lightning_mp.numerics.grad_layout import optimizer_params
 from lightning_mp.numerics.loss_scaler import LossScaler
-from lightning_mp.numerics.step_grads import StepGradients, non_finite_flag
+from lightning_mp.numerics.step_grads import StepGradients, few_cpu_grads, fused_flag, non_finite_flag
 
 _STATE_VERSION = 2
 
@@ -124,11 +124,12 @@ class MixedPrecisionStep:
             self.reduce_, "same_on_every_rank", False)
         found: bool | Tensor = False
         if self.scaler.enabled or self.check_finite:
-            grads = self._grads.read(optimizer, params, self.fp32_grads)
+            few = few_cpu_grads(params)  # a small CPU model's: as they are, no layout
+            grads = self._grads.read(optimizer, params, self.fp32_grads) if few is None else None
             if self.scaler.enabled:
-                flag = self.scaler.unscale_and_check_(grads.tensors)
+                flag = self.scaler.unscale_and_check_(few if grads is None else grads.tensors)
             else:
-                flag = non_finite_flag(grads)
+                flag = fused_flag(few) if grads is None else non_finite_flag(grads)
             if not agreed:
                 flag = agree_on_overflow_(flag)
             if self.apply is _optimizer_step and self.deferral.allows(optimizer):

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch._C import DispatchKey, DispatchKeySet
 
-from lightning_mp.compile_key import digest, set_part
+from lightning_mp.compile_key import digest, provide
 from lightning_mp.formats import HALF_DTYPES, upcast
 from lightning_mp.policy.aten import AUTOCAST_KEYS, BATCH_NORM, SET_DTYPE, Rule
 from lightning_mp.policy.mode import _native_mixed_batch_norm
@@ -86,7 +86,6 @@ def switch(plan: frozenset[tuple[str, str, Rule]], delta: int) -> None:
             cell[0] += delta
         if plan in _CELLS:
             _ON[plan] = _ON.get(plan, 0) + delta
-            _note_state()
 
 
 def _autocast_off(op: Any, key: str, overload: str) -> Callable[..., Any] | None:
@@ -197,12 +196,15 @@ def _register(lib: Any, key: str, overload: str, rule: Rule, cell: list[int]) ->
     return [0, lib, on, rule.lower, kernel]
 
 
-def _note_state() -> None:
-    """The compile key's part for the policy (the lock held): each registered plan's digest, ``+`` where switched on."""
-    for plan in _PLANS.keys() - _DIGESTS.keys():
-        _DIGESTS[plan] = digest(repr(sorted(plan)))
-    parts = sorted(_DIGESTS[plan] + ("+" if _ON.get(plan) else "-") for plan in _PLANS)
-    set_part("fp32_policy", ",".join(parts) or None)
+def _compile_key_part() -> str | None:
+    """The policy's part of the compile key, asked at each compile: each registered plan's digest, ``+`` where on."""
+    with _LOCK:
+        for plan in _PLANS.keys() - _DIGESTS.keys():
+            _DIGESTS[plan] = digest(repr(sorted(plan)))
+        return ",".join(sorted(_DIGESTS[plan] + ("+" if _ON.get(plan) else "-") for plan in _PLANS)) or None
+
+
+provide("fp32_policy", _compile_key_part)
 
 
 class Fp32Activation:
@@ -240,7 +242,6 @@ class Fp32Activation:
                     _drop(done)
                     raise
                 _CELLS[plan] = cells
-                _note_state()
         if on:
             switch(plan, 1)
 
@@ -262,7 +263,6 @@ class Fp32Activation:
                 del _CELLS[plan]
                 _ON.pop(plan, None)
                 _drop([(key, overload) for key, overload, _ in plan])
-            _note_state()
 
     def __enter__(self) -> Fp32Activation:
         return self
