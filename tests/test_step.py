@@ -414,3 +414,29 @@ def test_a_skip_leaves_the_gradients_to_the_loop_and_kept_ones_skip_again_until_
         p.grad = torch.full((3,), 2.0)  # scale 2 after two backoffs: a true gradient of 1
         step.step(opt)
     assert torch.equal(p.detach(), torch.zeros(3)) and step.scaler.skipped_steps == 2
+
+
+@pytest.mark.parametrize("scale", [None, 64.0])
+def test_fsdp2_shards_of_a_small_model_are_checked_as_local_views_with_no_layout_rebuilt_each_step(tmp_path, scale):
+    """DTensor gradients made the layout irregular, rebuilt at every step with a to_local() each (~90 us of a tiny
+    MLP's FSDP2 step): a small model's shards are checked (and unscaled, in place) as this rank's local views."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(str(tmp_path / "s"), 1), rank=0,
+                                         world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        params = [nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])) for _ in range(2)]
+        for p in params:
+            p.grad = distribute_tensor(torch.full((4, 2), 2.0 * (scale or 1.0)), mesh, [Shard(0)])
+        opt = torch.optim.SGD(params, lr=1.0)
+        step = MixedPrecisionStep(LossScaler("dynamic" if scale else None, init_scale=scale or 1.0))
+        with mock.patch("lightning_mp.numerics.step_grads.GradLayout", side_effect=AssertionError("a layout")):
+            assert step.unscale_(opt) is False
+            assert all(torch.equal(p.grad.to_local(), torch.full((4, 2), 2.0)) for p in params)
+            step.end_training_step()
+            params[1].grad.to_local()[3, 1] = float("inf")
+            assert step.unscale_(opt) is True
+    finally:
+        torch.distributed.destroy_process_group()

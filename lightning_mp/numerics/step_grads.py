@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -32,6 +33,7 @@ _REQUIRES_GRAD, _IS_CPU = operator.attrgetter("requires_grad"), operator.attrget
 _DTYPE = operator.attrgetter("dtype")
 _IS_NONE, _IS_NOT_NONE = partial(operator.is_, None), partial(operator.is_not, None)
 _IS_FP32, _IS_PLAIN = partial(operator.is_, torch.float32), partial(operator.is_, Tensor)
+_IS_DTENSOR = partial(operator.is_, DTensor)
 
 # Below this many gradient elements on the CPU, the check is one fused pass that rewrites each element as itself
 # (an unscale by 1.0): 2 torch calls where the read-only check makes 5 (sums of the runs, a concatenation of the
@@ -42,12 +44,15 @@ _ONE = torch.ones(())
 
 
 def few_cpu_grads(params: list[Tensor]) -> list[Tensor] | None:
-    """The gradients of ``params`` as they are, where one fused pass over them is all a check (or an unscale) needs:
-    at most :data:`SMALL_CHECK` elements in all, each a dense FP32 CPU ``Tensor`` outside any graph. ``None``
-    otherwise: the layout's path (runs of a flat buffer, sharded, sparse, complex and 16-bit gradients). A few C-level
-    passes and no layout to validate (the layout's read cost ~15 us of a tiny MLP's ~1.1 ms CPU step)."""
+    """The gradients of ``params`` as they are (FSDP2's: this rank's non-empty shards), where one fused pass over them
+    is all a check (or an unscale) needs: at most :data:`SMALL_CHECK` elements in all, each a dense FP32 CPU tensor
+    outside any graph. ``None`` otherwise: the layout's path (runs of a flat buffer, sparse, complex and 16-bit
+    gradients). A few C-level passes and no layout to validate or rebuild (the layout's read cost ~15 us of a tiny
+    MLP's ~1.1 ms CPU step; its rebuild for DTensor gradients, every step, ~90 us). Call it outside grad mode."""
     grads = list(filter(_IS_NOT_NONE, map(_GRAD, params)))
-    if grads and all(map(_IS_CPU, grads)) and all(map(_IS_FP32, map(_DTYPE, grads))) and all(
+    if grads and all(map(_IS_DTENSOR, map(type, grads))):
+        grads = list(filter(Tensor.numel, map(DTensor.to_local, grads)))  # a view of each shard (no autograd)
+    if all(map(_IS_CPU, grads)) and all(map(_IS_FP32, map(_DTYPE, grads))) and all(
         map(_IS_PLAIN, map(type, grads))
     ) and not any(map(_IS_SPARSE, grads)) and not any(map(_REQUIRES_GRAD, grads)):
         return grads if sum(map(Tensor.numel, grads)) <= SMALL_CHECK else None
@@ -58,7 +63,8 @@ def fused_flag(tensors: list[Tensor]) -> Tensor:
     """1.0 if any of these CPU tensors (none part of a graph) holds an inf or NaN, else 0.0: torch's fused
     ``_amp_foreach_non_finite_check_and_unscale_`` with a scale of 1.0, which writes each element back unchanged."""
     flag = torch.zeros(())
-    torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, _ONE)
+    if tensors:  # an FSDP2 rank can hold no elements of a tiny model
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, _ONE)
     return flag
 
 
