@@ -4,6 +4,7 @@ held; all of them out with ``release_kernels()``, ``teardown()`` or the collecte
 
 import copy
 import gc
+import weakref
 from unittest import mock
 
 import torch
@@ -117,3 +118,20 @@ def test_teardown_a_collected_plugin_and_a_copy_leave_nothing_registered():
     del plugin, fabric, model, optimizer
     gc.collect()
     assert ours() == (False, False, False)
+
+
+def test_a_dropped_plugin_whose_scheduler_is_guarded_is_collected_and_its_kernels_go():
+    # a Fabric scheduler is built on Fabric's optimizer wrapper, which holds the strategy and so the plugin: held
+    # strongly by the guard (in the core, which the plugin's teardown finalizer holds), it kept the plugin alive for
+    # the rest of the process, and the policy's kernels registered (a Python call per listed op under any autocast)
+    gc.collect()
+    plugin, fabric, model, optimizer = setup()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    plugin.guard_schedulers(scheduler)
+    train(fabric, model, optimizer, batches(2))
+    scheduler.step()
+    assert ours() == (False, True, True) and type(scheduler).__name__ == "StepLR"
+    gone = weakref.ref(plugin)
+    del plugin, fabric, model, optimizer, scheduler
+    gc.collect()
+    assert gone() is None and ours() == (False, False, False)

@@ -17,7 +17,7 @@ from lightning_mp.doctor.locator import OverflowLocator
 from lightning_mp.formats import check_device_supports
 from lightning_mp.numerics.distributed import agree_on_max_, average_fp32_grads_per_step, world_size
 from lightning_mp.numerics.master_weights import MasterWeights
-from lightning_mp.numerics.scheduler_guard import SchedulerGuard
+from lightning_mp.numerics.scheduler_guard import SchedulerGuard, WeakSchedulers
 from lightning_mp.numerics.sharding import is_sharded
 from lightning_mp.policy.policy import refuse_16_bit_batch_norm
 
@@ -127,12 +127,12 @@ class FitWiring:
 
     def guard_schedulers(self, schedulers: Sequence[Any]) -> None:
         """With ``skip_scheduler_on_overflow``, these schedulers do not advance right after a skipped step."""
-        self.calls.append(("guard_schedulers", (schedulers,)))  # Fabric's plugin.guard_schedulers
+        self.calls.append(("guard_schedulers", (WeakSchedulers(schedulers),)))  # Fabric's plugin.guard_schedulers
         self._guard_schedulers(schedulers)
 
     def _guard_schedulers(self, schedulers: Sequence[Any]) -> None:
         if self.skip_scheduler_on_overflow and schedulers:
-            self._handles.append(SchedulerGuard(list(schedulers), lambda: self.step.skipping))
+            self._handles.append(SchedulerGuard(schedulers, lambda: self.step.skipping))
 
     def __getstate__(self) -> dict[str, Any]:
         # a copy (ddp_spawn's pickle, torch.save of a plugin mid-run) is not wired to any fit: no calls to replay

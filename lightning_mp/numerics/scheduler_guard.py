@@ -8,11 +8,16 @@ the training step it follows was skipped.
 Mechanism: the scheduler's class is swapped for a subclass whose ``step`` checks the flag, and swapped back at
 teardown. A subclass, not a wrapper object, so ``isinstance`` checks, ``state_dict()`` (which copies the
 instance ``__dict__``) and Lightning's own scheduler handling see the same object with the same state.
+
+The guard holds its schedulers weakly (:func:`_ref`): a Fabric loop's scheduler is built on Fabric's optimizer
+wrapper, which holds the strategy and so the plugin. Held strongly from the plugin's core (which the plugin's teardown
+finalizer holds), it kept a dropped plugin alive for the life of the process, and with it the FP32 policy's kernels.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
 _GUARDED: dict[type, type] = {}
@@ -44,10 +49,32 @@ def _new_instance(cls: type) -> Any:
     return cls.__new__(cls)
 
 
-class SchedulerGuard:
-    """Holds schedulers still while ``skip()`` is true; ``remove()`` restores them."""
+def _ref(obj: Any) -> Callable[[], Any]:
+    """A weak reference to ``obj``, or a strong one where it takes none (a class with ``__slots__``)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
-    def __init__(self, schedulers: list[Any], skip: Callable[[], bool]) -> None:
+
+class WeakSchedulers:
+    """Schedulers as a front end passed them, held weakly; iterating gives the ones still alive (a core's record of
+    ``guard_schedulers``, replayed by a precision schedule's switch)."""
+
+    def __init__(self, schedulers: Iterable[Any]) -> None:
+        self._refs = [_ref(s) for s in schedulers]
+
+    def __iter__(self) -> Iterator[Any]:
+        return (s for s in (ref() for ref in self._refs) if s is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class SchedulerGuard:
+    """Holds schedulers still while ``skip()`` is true; ``remove()`` restores the ones still alive."""
+
+    def __init__(self, schedulers: Iterable[Any], skip: Callable[[], bool]) -> None:
         self._schedulers = []
         for scheduler in schedulers:
             if not callable(getattr(scheduler, "step", None)) or type(scheduler) in _GUARDED.values():
@@ -55,10 +82,12 @@ class SchedulerGuard:
             original = type(scheduler)
             scheduler.__class__ = _guarded_class(original)
             _SKIP[scheduler] = skip
-            self._schedulers.append((scheduler, original))
+            self._schedulers.append((_ref(scheduler), original))
 
     def remove(self) -> None:
-        for scheduler, original in self._schedulers:
-            scheduler.__class__ = original
-            _SKIP.pop(scheduler, None)
+        for ref, original in self._schedulers:
+            scheduler = ref()
+            if scheduler is not None:
+                scheduler.__class__ = original
+                _SKIP.pop(scheduler, None)
         self._schedulers.clear()
