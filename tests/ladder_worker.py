@@ -24,6 +24,7 @@ full FP32 weights at the end, the plugin's counters, or the error's message.
 import argparse
 import os
 import sys
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -225,7 +226,8 @@ def main():
                 accumulate = int(resumed[0].removeprefix("accumulate")) if resumed else 1
                 results[phase] = trainer_phase(strategy, first, then, first == "fp16", accumulate)
         except ValueError as error:  # a refused schedule: every rank refuses it at the same point
-            results[phase] = {"error": str(error)}
+            raised_in = [frame.name for frame in traceback.extract_tb(error.__traceback__)]
+            results[phase] = {"error": str(error), "raised_in": raised_in}
     torch.save(results, os.path.join(args.out, f"rank{dist.get_rank()}.pt"))
     dist.barrier()
     dist.destroy_process_group()  # gloo's threads stop before the interpreter does

@@ -94,6 +94,13 @@ def test_fsdp2_refuses_a_schedule_that_changes_the_gathered_dtype_on_both_ranks(
     assert messages[0] == messages[1]
     assert "rung 1 computes in 'fp16' (torch.float16) and the model is sharded by fully_shard" in messages[0]
     assert "HINT: under FSDP2 schedule changes that keep the compute dtype: 'fp8' <-> 'bf16'" in messages[0]
+    # before step 0 computes: Fabric at its first forward (it was at the first optimizer.step(), after step 0), the
+    # Trainer in step 0's training-step context
+    where = [r[phase]["raised_in"] for r in ranks]
+    if phase.startswith("fabric"):
+        assert all("__enter__" in frames and "optimizer_step" not in frames for frames in where)
+    else:
+        assert all("train_step_context" in frames for frames in where)
 
 
 @pytest.mark.parametrize("phase", [p for p in AVERAGED if p.startswith("fabric")])

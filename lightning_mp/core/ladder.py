@@ -116,7 +116,7 @@ class Ladder:
         if self.starts is None:
             self.resolve(length())
             if core.sharded:
-                self._refuse_gather_changes(core)
+                self.refuse_gather_changes(core)
         rung = self.rung_at(step)
         return rung if rung != self.current else None
 
@@ -124,7 +124,7 @@ class Ladder:
         """The rung that computes optimizer step ``step`` (0-based)."""
         return bisect.bisect_right(self.starts or [], step)
 
-    def _refuse_gather_changes(self, core: Any) -> None:
+    def refuse_gather_changes(self, core: Any) -> None:
         """FSDP2 makes its gather buffers once, in ``mp_policy.param_dtype``: every rung must compute in that dtype."""
         for rung, arguments in enumerate(self.rungs):
             fmt = resolve_precision(arguments["precision"])

@@ -35,6 +35,9 @@ class ForwardContext:
         plugin = self._plugin
         core = plugin.core
         plugin._first_forward.set_up()
+        ladder = plugin._ladder
+        if ladder.starts is None and ladder.scheduled and core.sharded:  # until the first optimizer.step() resolves it
+            ladder.refuse_gather_changes(core)  # FSDP2: a schedule it cannot follow, refused before the first step
         core.begin(force=plugin._force_refresh)
         plugin._force_refresh = False
         fmt = core.format
