@@ -166,3 +166,25 @@ def test_ddp_spawn_pickles_the_plugin_and_keeps_fp32_masters_averaged_once_per_s
     assert r0["skipped"] == r1["skipped"] == 1  # rank 1's overflow at step 2, skipped on both
     assert equal_states(r0["state"], r1["state"]) and set(r0["dtypes"].values()) == {torch.float32}
     assert r0["ddp_buckets"] == r1["ddp_buckets"] == 0 and r0["counts"]["inside"] == 0
+
+
+def test_a_run_left_hanging_after_every_rank_wrote_its_result_is_ended_and_its_results_kept(tmp_path):
+    """gloo's teardown now and then left rank 0 in destroy_process_group after rank 1 had exited, and a benchmark
+    waited out its 30-minute timeout: the launcher now ends a run `grace` s after every result is on disk."""
+    import subprocess
+    import sys
+
+    from benchmarks.harness import _wait_for_results
+
+    script = ("import sys, time, torch; out = sys.argv[1]\n"
+              "for r in range(2): torch.save({'rank': r}, f'{out}/rank{r}.pt')\n"
+              "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    done, hung = _wait_for_results(proc, tmp_path, 2, timeout=300, grace=1.0)
+    assert hung and done.returncode != 0 and proc.poll() is not None
+    missing = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    with pytest.raises(subprocess.TimeoutExpired):
+        _wait_for_results(missing, tmp_path / "none", 2, timeout=1.0, grace=1.0)
+    assert missing.poll() is not None  # killed, not left behind
