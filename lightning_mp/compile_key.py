@@ -30,6 +30,7 @@ are computed: the state at that moment is the state the trace records. Writing i
 ``torch.compiler.config``'s Python ``__setattr__``) cost about 5% of a tiny MLP's Fabric step. A compile outside our
 forwards while a run holds its kernels gets the tag too: a cache miss at worst, never a graph of another state.
 Compiles that bypass Dynamo (a backend called by hand) do not run the callback and see the tag of the last compile.
+``torch._dynamo.reset()`` clears torch's callbacks but keeps this one (:class:`_Callbacks`).
 
 Not covered: Dynamo's own in-memory cache, kept per code object (a model class's ``forward``, a ``training_step``)
 across ``torch.compile`` calls, which guards on neither the tag nor the kernels. A second fit in one process over
@@ -53,7 +54,7 @@ _COUNTS: dict[str, dict[str, int]] = {}  # per counted part, its values and how 
 # Re-entrant: a collected plugin's finalizer releases its kernels from wherever the collector runs, which can be
 # inside a write of the tag on this thread (an allocation there triggers it)
 _LOCK = threading.RLock()
-_STATE: dict[str, str | None] = {"base": None, "set": None}  # the user's tag, and the tag we wrote last
+_MARK = "|lightning_mp."  # what begins each of our parts: the user's own tag is what comes before the first
 
 
 def digest(text: str) -> str:
@@ -96,23 +97,39 @@ def _write(name: str, value: str | None) -> None:
 
 
 def tag() -> str:
-    """The tag as a compile starting now sees it (written by :func:`_sync`): the user's, then our parts."""
+    """The tag as a compile starting now sees it (written by :func:`_sync`): the user's, then our parts. The user's is
+    read from the config each time, as what precedes our first part: torch restores configs it patched around a
+    compile (a lazily compiled backward's), which can put back a tag of ours written earlier."""
     with _LOCK:
-        current = _compiler_config.cache_key_tag
-        if current != _STATE["set"]:  # the user's tag (first time, or set since we wrote ours)
-            _STATE["base"] = current
-        base = _STATE["base"] or ""
-        return base + "".join(f"|lightning_mp.{key}={part}" for key, part in sorted(_parts().items()))
+        base = _compiler_config.cache_key_tag.split(_MARK, 1)[0]
+        return base + "".join(f"{_MARK}{key}={part}" for key, part in sorted(_parts().items()))
 
 
-@callback_handler.register_start_callback
 def _sync(_args: object = None) -> None:
     """At the start of a compile (the outermost, where the keys are computed): the tag names the parts in force."""
     with _LOCK:
         new = tag()
         if new != _compiler_config.cache_key_tag:  # unchanged: no write (a run without our kernels: none ever)
             _compiler_config.cache_key_tag = new
-        _STATE["set"] = new
+
+
+class _Callbacks(list):
+    """torch's list of compile-start callbacks, keeping :func:`_sync` through ``torch._dynamo.reset()``, which clears
+    it (and which the docs advise between fits): a compile after a reset would see the tag of the compile before."""
+
+    def clear(self) -> None:
+        super().clear()
+        self.append(_sync)
+
+
+def _hook() -> None:
+    if not isinstance(callback_handler.start_callbacks, _Callbacks):
+        callback_handler.start_callbacks = _Callbacks(callback_handler.start_callbacks)
+    if _sync not in callback_handler.start_callbacks:
+        callback_handler.start_callbacks.append(_sync)
+
+
+_hook()
 
 
 def current_parts() -> dict[str, str]:

@@ -13,6 +13,9 @@ from lightning_mp import Fp32Policy
 from lightning_mp.compile_key import count_part, current_parts, set_part
 from lightning_mp.gemm.emulation import GemmEmulation
 
+SEEN: list[None] = []  # one entry per compile made by seen_by_a_compile
+
+
 def seen_by_a_compile() -> str:
     """The cache key tag inside a compile starting now (where torch computes its cache keys)."""
     seen = []
@@ -21,7 +24,10 @@ def seen_by_a_compile() -> str:
         seen.append(compiler_config.cache_key_tag)
         return gm.forward
 
-    torch.compile(lambda x: x + 1, backend=backend)(torch.ones(2))  # a new code object: always compiled
+    SEEN.append(None)
+    namespace = {}
+    exec(f"def fresh(x):\n    return x + {len(SEEN)}\n", namespace)  # a new code object: Dynamo has no entry for it
+    torch.compile(namespace["fresh"], backend=backend)(torch.ones(2))
     return seen[0]
 
 
@@ -36,7 +42,7 @@ DIGEST = "from lightning_mp import Fp32Policy\nfrom lightning_mp.compile_key imp
 
 
 def test_the_policy_names_its_plan_in_the_tag_while_it_is_held_and_whether_it_is_switched_on():
-    base = compiler_config.cache_key_tag  # the user's (TORCH_COMPILE_CACHE_KEY_TAG), empty by default
+    base = seen_by_a_compile()  # nothing held: the user's (TORCH_COMPILE_CACHE_KEY_TAG), empty by default
     default, fewer = Fp32Policy(), Fp32Policy(ops={"softmax"})
     with default.activate():
         held = current_parts()["fp32_policy"]
@@ -55,7 +61,7 @@ def test_the_policy_names_its_plan_in_the_tag_while_it_is_held_and_whether_it_is
 def test_switching_writes_no_config_only_a_compile_does(monkeypatch):
     """The Fabric plugin switches the kernels twice per iteration: a dict update each, the tag written by the next
     compile (a write through torch.compiler.config cost ~5% of a tiny MLP's step)."""
-    writes, base = [], compiler_config.cache_key_tag
+    writes, base = [], seen_by_a_compile()
     real_setattr = type(compiler_config).__setattr__
 
     def recording_setattr(self, name, value):
@@ -115,3 +121,29 @@ def test_a_tag_the_user_set_stays_in_front_and_comes_back():
         assert seen_by_a_compile() == "theirs" and current_parts() == {}
     finally:
         compiler_config.cache_key_tag = base
+
+
+def test_a_tag_of_ours_that_torch_put_back_is_not_taken_for_the_users():
+    """torch restores configs it patched around a compile (a lazily compiled backward's): an older tag of ours back in
+    the config is replaced at the next compile, not kept in front as if the user had set it."""
+    policy = Fp32Policy()
+    base = seen_by_a_compile()
+    with policy.activate(on=False):
+        stale = seen_by_a_compile()
+        with policy.switched_on():
+            compiler_config.cache_key_tag = stale  # put back, as a config patch's exit does
+            assert seen_by_a_compile() == stale[:-1] + "+" and stale.startswith(base + "|lightning_mp.")
+    assert seen_by_a_compile() == base
+
+
+def test_a_compile_after_torch_dynamo_reset_still_sees_the_tag():
+    """reset() clears torch's compile-start callbacks (the docs advise it between fits, and the compile tests call
+    it): the tag's callback stays, or a compile after a reset would see the tag of the compile before it."""
+    policy = Fp32Policy()
+    with policy.activate(on=False):
+        assert seen_by_a_compile().endswith("-")
+        torch._dynamo.reset()
+        with policy.switched_on():
+            assert seen_by_a_compile().endswith("+")
+        torch._dynamo.reset()
+        assert seen_by_a_compile().endswith("-")
