@@ -26,8 +26,10 @@ def seen_by_a_compile() -> str:
 
     SEEN.append(None)
     namespace = {}
-    exec(f"def fresh(x):\n    return x + {len(SEEN)}\n", namespace)  # a new code object: Dynamo has no entry for it
-    torch.compile(namespace["fresh"], backend=backend)(torch.ones(2))
+    name = f"fresh_{len(SEEN)}"  # a new function and file: no entry of Dynamo's for it, no recompile limit reached
+    exec(compile(f"def {name}(x):\n    return x + 1\n", f"<{name}>", "exec"), namespace)
+    torch._dynamo.reset()  # torch 2.11 compiles one wrapper frame for every function: its recompile limit is 8
+    torch.compile(namespace[name], backend=backend)(torch.ones(2))
     return seen[0]
 
 
