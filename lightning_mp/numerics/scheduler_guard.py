@@ -84,6 +84,9 @@ class SchedulerGuard:
             _SKIP[scheduler] = skip
             self._schedulers.append((_ref(scheduler), original))
 
+    def __getstate__(self) -> dict[str, Any]:  # a pickled plugin (ddp_spawn, torch.save mid-run): its copy guards none
+        return {"_schedulers": []}  # (pickled schedulers come back as their own class, unguarded: _guarded_class)
+
     def remove(self) -> None:
         for ref, original in self._schedulers:
             scheduler = ref()
