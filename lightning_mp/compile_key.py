@@ -15,9 +15,9 @@ How
 ---
 ``torch.compiler.config.cache_key_tag`` enters every compile cache key (AOTAutograd's, inductor's FX graph cache,
 autotuning, profile-guided recompilation). While a kernel set is in force, the tag carries a part naming its state
-(:func:`set_part`): the policy's kernels by a digest of their plans and whether each is switched on, the emulation
-by the 16-bit format it emulates. Runs in the same state share their cache entries (also across processes: the
-parts are stable strings); runs in different states never do. With no part set the tag is the user's own, so
+(:func:`provide`, :func:`count_part`): the policy's kernels by a digest of their plans and whether each is switched
+on, the emulation by the 16-bit format it emulates. Runs in the same state share their cache entries (also across
+processes: the parts are stable strings); runs in different states never do. With no part set the tag is the user's own, so
 ``bf16-mixed`` and other users keep torch's keys. A tag the user set is kept, in front of the parts.
 
 When
@@ -49,7 +49,7 @@ import torch.compiler.config as _compiler_config
 from torch._dynamo.callback import callback_handler
 
 _PARTS: dict[str, str] = {}
-_PROVIDERS: dict[str, Callable[[], str | None]] = {}  # parts computed when the tag is (the policy's: no cost per switch)
+_PROVIDERS: dict[str, Callable[[], str | None]] = {}  # parts computed with the tag (the policy's: no cost per switch)
 _COUNTS: dict[str, dict[str, int]] = {}  # per counted part, its values and how many hold each
 # Re-entrant: a collected plugin's finalizer releases its kernels from wherever the collector runs, which can be
 # inside a write of the tag on this thread (an allocation there triggers it)
@@ -60,12 +60,6 @@ _MARK = "|lightning_mp."  # what begins each of our parts: the user's own tag is
 def digest(text: str) -> str:
     """A short stable name for ``text`` (the same in every process)."""
     return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:12]
-
-
-def set_part(name: str, value: str | None) -> None:
-    """Our part ``name`` of the tag becomes ``value`` (``None``: no such part), from the next compile on."""
-    with _LOCK:
-        _write(name, value)
 
 
 def provide(name: str, part: Callable[[], str | None]) -> None:

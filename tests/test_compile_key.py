@@ -10,7 +10,7 @@ import torch
 import torch.compiler.config as compiler_config
 
 from lightning_mp import Fp32Policy
-from lightning_mp.compile_key import count_part, current_parts, set_part
+from lightning_mp.compile_key import count_part, current_parts
 from lightning_mp.gemm.emulation import GemmEmulation
 
 SEEN: list[None] = []  # one entry per compile made by seen_by_a_compile
@@ -110,7 +110,7 @@ def test_an_emulating_context_names_its_format_and_the_native_one_nothing():
 def test_a_tag_the_user_set_stays_in_front_and_comes_back():
     base, compiler_config.cache_key_tag = compiler_config.cache_key_tag, "mine"
     try:
-        set_part("fp32_policy", "abc+")
+        count_part("fp32_policy", "abc+", +1)
         count_part("gemm_emulated", "fp16", +1)
         count_part("gemm_emulated", "bf16", +1)
         ours = "|lightning_mp.fp32_policy=abc+|lightning_mp.gemm_emulated="
@@ -119,7 +119,7 @@ def test_a_tag_the_user_set_stays_in_front_and_comes_back():
         count_part("gemm_emulated", "bf16", -1)
         assert seen_by_a_compile() == f"theirs{ours}fp16"
         count_part("gemm_emulated", "fp16", -1)
-        set_part("fp32_policy", None)
+        count_part("fp32_policy", "abc+", -1)
         assert seen_by_a_compile() == "theirs" and current_parts() == {}
     finally:
         compiler_config.cache_key_tag = base

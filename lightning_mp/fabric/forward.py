@@ -44,10 +44,7 @@ class ForwardContext:
         if fmt.is_16bit:
             self._opened = plugin._kernels.forward()  # registered once; switched on until the backward's end
         # the hold is active: the context adds autocast (and the policy's fallback mode or the GEMMs' emulation)
-        if fmt.is_16bit and not core.gemm.emulated and core.policy.fallback_mode() is None:
-            inner = torch.autocast(core.device_type, dtype=fmt.dtype)  # the common case, without its assembly
-        else:
-            inner = forward_context(fmt, core.device_type, core.policy, plugin._kernels, core.gemm)
+        inner = forward_context(fmt, core.device_type, core.policy, plugin._kernels, core.gemm)
         try:
             inner.__enter__()
         except BaseException:
