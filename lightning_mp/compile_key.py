@@ -17,8 +17,8 @@ How
 autotuning, profile-guided recompilation). While a kernel set is in force, the tag carries a part naming its state
 (:func:`provide`, :func:`count_part`): the policy's kernels by a digest of their plans and whether each is switched
 on, the emulation by the 16-bit format it emulates. Runs in the same state share their cache entries (also across
-processes: the parts are stable strings); runs in different states never do. With no part set the tag is the user's own, so
-``bf16-mixed`` and other users keep torch's keys. A tag the user set is kept, in front of the parts.
+processes: the parts are stable strings); runs in different states never do. With no part set the tag is the user's
+own, so ``bf16-mixed`` and other users keep torch's keys. A tag the user set is kept, in front of the parts.
 
 When
 ----
