@@ -18,6 +18,7 @@ Reported: medians (on 2 ranks, over both ranks' steps) and the bars: ours bf16 /
 GPT, <= 1.10 on the tiny MLP.
 
     python benchmarks/fabric_benchmark.py --rounds 8 --steps 4
+    python benchmarks/fabric_benchmark.py --settings one --models mlp --ablation --rounds 20 --steps 20
 """
 
 import argparse
@@ -50,6 +51,13 @@ ONE_PROCESS_GPT = {
     "Fabric 16-mixed": lambda: MixedPrecision("16-mixed", "cpu"),
 }
 PAIR = {OURS: lambda: MixedPrecisionPlugin("bf16"), THEIRS: lambda: MixedPrecision("bf16-mixed", "cpu")}
+# --ablation (one process, tiny MLP): what each default feature costs, each switched off alone, then all of them
+_OFF = {"fp32_ops": [], "check_finite": False, "master_weights": False}
+ABLATION = {
+    **{f"{OURS}, {k}={v!r}": partial(MixedPrecisionPlugin, "bf16", **{k: v}) for k, v in _OFF.items()},
+    f"{OURS}, all three off, no FP32 modules, no locator": partial(
+        MixedPrecisionPlugin, "bf16", fp32_modules=[], locate_overflows=False, **_OFF),
+}
 
 
 def make_model(which, args):
@@ -79,7 +87,7 @@ def parallelize(model, mesh, mp_policy):
 
 def build(which, row, setting, args):
     """A Fabric, the model set up under it, and its optimizer, for one row of one setting."""
-    plugin = (ONE_PROCESS_GPT if row in ONE_PROCESS_GPT and setting == "one" else PAIR)[row]()
+    plugin = {**PAIR, **ABLATION, **(ONE_PROCESS_GPT if setting == "one" else {})}[row]()
     strategy, devices = "auto", 1
     if setting == "ddp":
         strategy, devices = "ddp", 2
@@ -123,6 +131,8 @@ def measure(setting, args):
     result = {}
     for which in models:
         rows = ONE_PROCESS_GPT if setting == "one" and which == "gpt" else PAIR
+        if setting == "one" and which == "mlp" and args.ablation:
+            rows = {**PAIR, **ABLATION}
         runs = {row: build(which, row, setting, args) for row in rows}
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0  # each rank its own data
         batches = make_batches(which, args, args.warmup + args.steps, rank)
@@ -154,7 +164,10 @@ def report(setting, times):
         print("| row | median | min |\n|---|---:|---:|")
         for row, ts in rows.items():
             print(f"| {row} | {statistics.median(ts) * 1e3:.2f} | {min(ts) * 1e3:.2f} |")
-        ratio = statistics.median(rows[OURS]) / statistics.median(rows[THEIRS])
+        base = statistics.median(rows[THEIRS])
+        for row in (r for r in rows if r in ABLATION):
+            print(f"{row} / {THEIRS}: {statistics.median(rows[row]) / base:.3f}")
+        ratio = statistics.median(rows[OURS]) / base
         verdict = "holds" if ratio <= BARS[which] else "MISSED"
         print(f"{OURS} / {THEIRS}: {ratio:.3f} (bar <= {BARS[which]:.2f}: {verdict})")
 
@@ -164,6 +177,8 @@ def add_arguments(parser):
     parser.add_argument("--steps", type=int, default=4, help="timed steps per row per round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per row before the first round")
     parser.add_argument("--models", choices=("gpt", "mlp", "both"), default="both")
+    parser.add_argument("--ablation", action="store_true",
+                        help="one process, tiny MLP: also the plugin with each default feature switched off")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--n-layer", type=int, default=2)
@@ -195,7 +210,8 @@ def main() -> None:
         if setting == "one":
             times = measure("one", args)
         else:
-            passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k != "settings"]
+            passed = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in vars(args).items()
+                      if k != "settings" and v is not False]  # a flag: named when set
             with tempfile.TemporaryDirectory() as out:
                 ranks = harness.launch_ranks(Path(__file__), Path(out), "--worker", setting, *passed, timeout=1800)
             times = {which: {row: ranks[0][which][row] + ranks[1][which][row] for row in ranks[0][which]}

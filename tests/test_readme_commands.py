@@ -94,6 +94,8 @@ RUN_HERE = {
                                                "--block-size", "16", "--n-layer", "1", "--n-embd", "32"], "|"),
     "python benchmarks/fabric_benchmark.py --models mlp --rounds 10 --steps 20": (
         ["--rounds", "1", "--steps", "1", "--warmup", "1", "--settings", "one"], "tiny MLP"),
+    "python benchmarks/fabric_benchmark.py --settings one --models mlp --ablation --rounds 20 --steps 20": (
+        ["--rounds", "1", "--steps", "1", "--warmup", "1"], "fp32_ops=[] / Fabric bf16"),
     "python benchmarks/after_fabric_benchmark.py --rounds 7": (["--rounds", "1", "--reps", "5"], "vs fresh"),
     "python benchmarks/lora_memory_benchmark.py": (["--hidden", "64", "--layers", "1", "--vocab", "512", "--seq", "16",
                                                     "--steps", "1", "--threads", "1"], "peak above base"),

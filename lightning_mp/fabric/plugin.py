@@ -49,7 +49,7 @@ from typing_extensions import override
 from lightning_mp.core import CoreViews, MixedPrecisionCore
 from lightning_mp.core.skips import refuse_lbfgs
 from lightning_mp.fabric.first_call import FirstForward
-from lightning_mp.fabric.forward import ForwardContext
+from lightning_mp.fabric.forward import ForwardContext, cast_inputs
 from lightning_mp.fabric.kernels import KernelHold
 from lightning_mp.formats import upcast
 from lightning_mp.numerics.checkpoint_compat import is_gradscaler_state, take_gradscaler_state
@@ -133,10 +133,8 @@ class MixedPrecisionPlugin(CoreViews, FabricPrecision):
     def convert_input(self, data: Any) -> Any:
         """Floating inputs in the 16-bit format, as Fabric's own ``MixedPrecision`` casts them (``x.dtype`` inside
         ``forward`` is the same under both); FP32 modules upcast what reaches them (``fp32_modules``)."""
-        if not self.core.format.is_16bit:
-            return data
-        dtype = self.core.format.dtype
-        return apply_to_collection(data, function=lambda t: t.to(dtype) if t.is_floating_point() else t, dtype=Tensor)
+        fmt = self.core.format
+        return cast_inputs(data, fmt.dtype) if fmt.is_16bit else data
 
     @override
     def convert_output(self, data: Any) -> Any:
