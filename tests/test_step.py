@@ -11,6 +11,7 @@ from torch import nn
 from lightning_mp.numerics.grad_layout import GradLayout
 from lightning_mp.numerics.loss_scaler import LossScaler
 from lightning_mp.numerics.step import MixedPrecisionStep
+from lightning_mp.numerics.step_grads import SMALL_CHECK
 from tests.conftest import cuda
 
 
@@ -416,10 +417,12 @@ def test_a_skip_leaves_the_gradients_to_the_loop_and_kept_ones_skip_again_until_
     assert torch.equal(p.detach(), torch.zeros(3)) and step.scaler.skipped_steps == 2
 
 
+@pytest.mark.parametrize("rows", [4, SMALL_CHECK // 2])  # 16 elements in all; 2^17: past the unsharded bound
 @pytest.mark.parametrize("scale", [None, 64.0])
-def test_fsdp2_shards_of_a_small_model_are_checked_as_local_views_with_no_layout_rebuilt_each_step(tmp_path, scale):
+def test_fsdp2_shards_are_checked_as_local_views_with_no_layout_rebuilt_each_step(tmp_path, scale, rows):
     """DTensor gradients made the layout irregular, rebuilt at every step with a to_local() each (~90 us of a tiny
-    MLP's FSDP2 step): a small model's shards are checked (and unscaled, in place) as this rank's local views."""
+    MLP's FSDP2 step, ~0.15 ms of a small GPT's): shards of up to a few million local elements are checked (and
+    unscaled, in place) as this rank's local views."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -427,16 +430,16 @@ def test_fsdp2_shards_of_a_small_model_are_checked_as_local_views_with_no_layout
                                          world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
-        params = [nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])) for _ in range(2)]
+        params = [nn.Parameter(distribute_tensor(torch.ones(rows, 2), mesh, [Shard(0)])) for _ in range(2)]
         for p in params:
-            p.grad = distribute_tensor(torch.full((4, 2), 2.0 * (scale or 1.0)), mesh, [Shard(0)])
+            p.grad = distribute_tensor(torch.full((rows, 2), 2.0 * (scale or 1.0)), mesh, [Shard(0)])
         opt = torch.optim.SGD(params, lr=1.0)
         step = MixedPrecisionStep(LossScaler("dynamic" if scale else None, init_scale=scale or 1.0))
         with mock.patch("lightning_mp.numerics.step_grads.GradLayout", side_effect=AssertionError("a layout")):
             assert step.unscale_(opt) is False
-            assert all(torch.equal(p.grad.to_local(), torch.full((4, 2), 2.0)) for p in params)
+            assert all(torch.equal(p.grad.to_local(), torch.full((rows, 2), 2.0)) for p in params)
             step.end_training_step()
-            params[1].grad.to_local()[3, 1] = float("inf")
+            params[1].grad.to_local()[rows - 1, 1] = float("inf")
             assert step.unscale_(opt) is True
     finally:
         torch.distributed.destroy_process_group()
