@@ -10,13 +10,11 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import torch
 from torch.optim import Optimizer
 
 from lightning_mp.fabric.plugin import MixedPrecisionPlugin
-from lightning_mp.monitors.gradient_range import TAG_HISTOGRAM
-from lightning_mp.doctor.log2_histogram import measure_on_device, Pending, unpack, histogram_kwargs, reference_scale
-from lightning_mp.numerics.sharding import local
+from lightning_mp.monitors.gradient_range import TAG_HISTOGRAM, queue_gradient_range, range_logs
+from lightning_mp.doctor.log2_histogram import Pending, unpack, histogram_kwargs
 from lightning_mp.validation import check_bool, check_int
 from lightning_mp.monitors.base import format_metrics, fp8_decision_metrics, plugin_metrics, histogram_writers, no_histogram_message
 
@@ -119,14 +117,9 @@ class PrecisionMonitor:
         # DTensors themselves would run collectives on rank 0 alone)
         if every is None or (step + 1) % every or not (self._fabric.is_global_zero or sharded):
             return
-        named = list(self._plugin.named_grads(optimizer))
-        if not named:
-            return
-        packed = measure_on_device([local(g) for _, g in named], reference_scale(self._plugin), self.per_param)
-        if sharded:
-            torch.distributed.all_reduce(packed)  # counts of the whole model, not of this rank's shard
-        if self._fabric.is_global_zero:  # a DTensor's numel is the full parameter's
-            self._pending = Pending([n for n, _ in named], sum(g.numel() for _, g in named), packed)
+        pending = queue_gradient_range(self._plugin, optimizer, self.per_param)
+        if self._fabric.is_global_zero:
+            self._pending = pending
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         plugin = self._plugin
@@ -147,12 +140,8 @@ class PrecisionMonitor:
         if pending is not None:
             rows = len(pending.names) if self.per_param else 1
             r = unpack(pending.packed.tolist(), pending.numel, rows)  # the one host sync of a sampled step
-            metrics["precision/grad_underflow_fraction"] = r.underflow_fraction
-            metrics["precision/grad_overflow_fraction"] = r.overflow_fraction
-            metrics["precision/grad_zero_fraction"] = r.zero_fraction
-            histograms[TAG_HISTOGRAM] = r.histogram
-            if self.per_param:
-                histograms.update((f"{TAG_HISTOGRAM}/{n}", row) for n, row in zip(pending.names, r.counts))
+            fractions, histograms = range_logs([pending], [r], self.per_param)
+            metrics.update(fractions)
         if metrics:
             self._fabric.log_dict(metrics, step=step)
         if histograms:

@@ -114,19 +114,10 @@ class GradientRangeMonitor(_PrecisionMonitor):
         if (step + 1) % self.every_n_steps:
             return
         # only this optimizer's parameters: with several optimizers, the others' gradients may still be scaled
-        named = list(plugin.named_grads(optimizer))
-        if not named:
-            return
-        grads = [local(g) for _, g in named]
-        packed = measure_on_device(grads, reference_scale(plugin), self.per_param)
-        if plugin.sharded:
-            torch.distributed.all_reduce(packed)  # counts of the whole model, not of this rank's shard
-        self._pending_step = step
-        self._pending[id(optimizer)] = Pending(
-            names=[n for n, _ in named],
-            numel=sum(g.numel() for _, g in named),  # a DTensor's numel is the full parameter's
-            packed=packed,
-        )
+        pending = queue_gradient_range(plugin, optimizer, self.per_param)
+        if pending is not None:
+            self._pending_step = step
+            self._pending[id(optimizer)] = pending
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -149,12 +140,7 @@ class GradientRangeMonitor(_PrecisionMonitor):
         self._log(trainer, self._pending_step, pending, ranges)
 
     def _log(self, trainer: pl.Trainer, step: int, pending: list[Pending], ranges: list[GradientRange]) -> None:
-        numel = sum(r.numel for r in ranges)
-        metrics = {
-            "precision/grad_underflow_fraction": sum(r.underflow for r in ranges) / numel,
-            "precision/grad_overflow_fraction": sum(r.overflow for r in ranges) / numel,
-            "precision/grad_zero_fraction": sum(r.zeros for r in ranges) / numel,
-        }
+        metrics, histograms = range_logs(pending, ranges, self.per_param)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 
@@ -165,16 +151,43 @@ class GradientRangeMonitor(_PrecisionMonitor):
                 rank_zero_warn(no_histogram_message(type(self).__name__, f"the `{TAG_HISTOGRAM}` histograms",
                                                     "`add_histogram_raw`", "the fraction scalars", trainer.loggers))
             return
-        histograms = {TAG_HISTOGRAM: [sum(col) for col in zip(*(r.histogram for r in ranges))]}
-        if self.per_param:
-            for p, r in zip(pending, ranges):
-                for name, row in zip(p.names, r.counts):
-                    tag = f"{TAG_HISTOGRAM}/{name}"
-                    previous = histograms.get(tag)
-                    histograms[tag] = row if previous is None else [a + b for a, b in zip(previous, row)]
         for writer in writers:
             for tag, counts in histograms.items():
                 writer.add_histogram_raw(tag, global_step=step, **histogram_kwargs(counts))
+
+
+def queue_gradient_range(plugin: Any, optimizer: Optimizer, per_param: bool) -> Pending | None:
+    """Count this optimizer's true FP32 gradients on their device, to read back after the step (``None``: it has
+    none). Sharded (FSDP2): each rank counts its shards and the counts are summed over the ranks (one all-reduce), so
+    every rank must call it. Both front ends' monitors measure through here."""
+    named = list(plugin.named_grads(optimizer))
+    if not named:
+        return None
+    packed = measure_on_device([local(g) for _, g in named], reference_scale(plugin), per_param)
+    if plugin.sharded:
+        torch.distributed.all_reduce(packed)  # counts of the whole model, not of this rank's shard
+    # a DTensor's numel is the full parameter's
+    return Pending(names=[n for n, _ in named], numel=sum(g.numel() for _, g in named), packed=packed)
+
+
+def range_logs(pending: list[Pending], ranges: list[GradientRange],
+               per_param: bool) -> tuple[dict[str, float], dict[str, list[int]]]:
+    """The fraction scalars and the histograms (tag -> bucket counts) of one step's measurements (one per optimizer
+    that stepped), summed over them."""
+    numel = max(sum(r.numel for r in ranges), 1)  # no elements: fractions of 0
+    metrics = {
+        "precision/grad_underflow_fraction": sum(r.underflow for r in ranges) / numel,
+        "precision/grad_overflow_fraction": sum(r.overflow for r in ranges) / numel,
+        "precision/grad_zero_fraction": sum(r.zeros for r in ranges) / numel,
+    }
+    histograms = {TAG_HISTOGRAM: [sum(col) for col in zip(*(r.histogram for r in ranges))]}
+    if per_param:
+        for p, r in zip(pending, ranges):
+            for name, row in zip(p.names, r.counts):
+                tag = f"{TAG_HISTOGRAM}/{name}"
+                previous = histograms.get(tag)
+                histograms[tag] = row if previous is None else [a + b for a, b in zip(previous, row)]
+    return metrics, histograms
 
 
 __all__ = [
