@@ -2,6 +2,7 @@
 
 import collections
 import dataclasses
+import enum
 
 import pytest
 import torch
@@ -19,6 +20,14 @@ class Batch:
     n: int
 
 
+class Pairs(tuple):  # a tuple subclass that is not a named tuple
+    pass
+
+
+class Mode(enum.IntEnum):
+    TRAIN = 1
+
+
 def inputs():
     x, idx, mask = torch.randn(4, 3), torch.arange(4), torch.ones(4, dtype=torch.bool)
     yield ((x,), {})  # Fabric's (args, kwargs) for model(x)
@@ -28,6 +37,8 @@ def inputs():
     yield ((Batch(x, 3),), {"extra": collections.OrderedDict(a=x)})
     yield ((x.to(torch.float16), x.to(torch.bfloat16)), {})  # already 16-bit: cast to the run's format
     yield (([],), {"empty": {}})
+    yield ((torch.nn.Parameter(x), Pairs((x, idx))), {"mode": Mode.TRAIN, "raw": b"\x00", "size": x.shape})
+    yield ((x, [x, (x, idx)]), {"pair": Pair(x, x)})  # plain containers beside one the fast path leaves alone
 
 
 def same(a, b):
@@ -53,10 +64,16 @@ def same(a, b):
 @pytest.mark.parametrize(("precision", "theirs"), [("bf16", "bf16-mixed"), ("fp16", "16-mixed")])
 @pytest.mark.parametrize("data", list(inputs()), ids=lambda d: type(d[0][0]).__name__ if d[0] else "empty")
 def test_inputs_are_cast_exactly_as_fabrics_own_mixed_precision_casts_them(precision, theirs, data):
-    ours = MixedPrecisionPlugin(precision).convert_input(data)
-    same(ours, FabricMixedPrecision(theirs, "cpu").convert_input(data))
-    floats = [t for t in (ours[0] if isinstance(ours[0], tuple) else ()) if isinstance(t, torch.Tensor)]
-    assert all(t.dtype in (torch.bfloat16, torch.float16) for t in floats if t.is_floating_point())
+    same(MixedPrecisionPlugin(precision).convert_input(data), FabricMixedPrecision(theirs, "cpu").convert_input(data))
+
+
+def test_each_floating_tensor_is_cast_once_also_beside_a_container_the_fast_path_leaves_alone(monkeypatch):
+    x = torch.randn(2, 3)
+    calls = []
+    to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append(1) or to(self, *a, **k))
+    (args, kwargs) = MixedPrecisionPlugin("bf16").convert_input(((x, [x, x]), {"pair": Pair(x, torch.arange(2))}))
+    assert len(calls) == 4 and args[1][1].dtype == kwargs["pair"].x.dtype == torch.bfloat16
 
 
 def test_fabrics_args_and_kwargs_of_tensors_take_the_fast_path_not_the_general_one(monkeypatch):

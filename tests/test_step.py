@@ -11,7 +11,7 @@ from torch import nn
 from lightning_mp.numerics.grad_layout import GradLayout
 from lightning_mp.numerics.loss_scaler import LossScaler
 from lightning_mp.numerics.step import MixedPrecisionStep
-from lightning_mp.numerics.step_grads import SMALL_CHECK
+from lightning_mp.numerics.step_grads import SHARDED_CHECK, SMALL_CHECK
 from tests.conftest import cuda
 
 
@@ -415,6 +415,27 @@ def test_a_skip_leaves_the_gradients_to_the_loop_and_kept_ones_skip_again_until_
         p.grad = torch.full((3,), 2.0)  # scale 2 after two backoffs: a true gradient of 1
         step.step(opt)
     assert torch.equal(p.detach(), torch.zeros(3)) and step.scaler.skipped_steps == 2
+
+
+def test_fsdp2_shards_past_the_sharded_bound_are_checked_read_only_through_the_layout(tmp_path):
+    """Past SHARDED_CHECK local elements the layout's read-only sums beat the fused pass's write (from ~10M): the
+    layout's path, which still finds an inf in a shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(str(tmp_path / "s"), 1), rank=0,
+                                         world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        p = nn.Parameter(distribute_tensor(torch.zeros(SHARDED_CHECK + 2), mesh, [Shard(0)]))
+        p.grad = distribute_tensor(torch.ones(SHARDED_CHECK + 2), mesh, [Shard(0)])
+        p.grad.to_local()[-1] = float("inf")
+        step = MixedPrecisionStep(LossScaler(None))
+        with mock.patch("lightning_mp.numerics.step_grads.GradLayout", wraps=GradLayout) as layout:
+            assert step.unscale_(torch.optim.SGD([p], lr=1.0)) is True
+        assert layout.call_count == 1
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize("rows", [4, SMALL_CHECK // 2])  # 16 elements in all; 2^17: past the unsharded bound

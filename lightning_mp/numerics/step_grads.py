@@ -52,9 +52,13 @@ _ONE = torch.ones(())
 def few_cpu_grads(params: list[Tensor]) -> list[Tensor] | None:
     """The gradients of ``params`` as they are (FSDP2's: this rank's non-empty shards), where one fused pass over them
     is all a check (or an unscale) needs: at most :data:`SMALL_CHECK` elements in all (shards: :data:`SHARDED_CHECK`),
-    each a dense FP32 CPU tensor outside any graph. ``None`` otherwise: the layout's path (runs of a flat buffer, sparse, complex and 16-bit
-    gradients). A few C-level passes and no layout to validate or rebuild (the layout's read cost ~15 us of a tiny
-    MLP's ~1.1 ms CPU step; its rebuild for DTensor gradients, every step, ~90 us). Call it outside grad mode."""
+    each a dense FP32 CPU tensor outside any graph. ``None`` otherwise: the layout's path (runs of a flat buffer,
+    sparse, complex and 16-bit gradients). A few C-level passes and no layout to validate or rebuild (the layout's
+    read cost ~15 us of a tiny MLP's ~1.1 ms CPU step; its rebuild for DTensor gradients, every step, ~90 us). Call it
+    outside grad mode.
+
+    Uneven shards can send ranks down different paths here; that decides nothing: neither path runs a collective,
+    both unscale each element alike, and the flag is agreed across ranks afterwards (``agree_on_overflow_``)."""
     grads = list(filter(_IS_NOT_NONE, map(_GRAD, params)))
     limit = SMALL_CHECK
     if grads and all(map(_IS_DTENSOR, map(type, grads))):
