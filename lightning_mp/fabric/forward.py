@@ -36,7 +36,7 @@ def cast_inputs(data: Any, dtype: torch.dtype) -> Any:
     its type. The structure is checked first, so no tensor is cast twice."""
     if _plain(data):
         return _cast(data, dtype)
-    return apply_to_collection(data, function=lambda t: t.to(dtype) if t.is_floating_point() else t, dtype=Tensor)
+    return apply_to_collection(data, Tensor, _cast, dtype)  # _cast(tensor, dtype) on each tensor it finds
 
 
 def _plain(data: Any) -> bool:
