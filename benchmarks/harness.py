@@ -81,39 +81,54 @@ def launch_ranks(worker: str | Path, out: Path, *args: Any, devices: int = 2, ti
     cmd = [sys.executable, str(worker), "--out", str(out), "--devices", str(devices), *map(str, args)]
     popen = subprocess.Popen(cmd, env=clean_env() if env is None else env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)  # its ranks: one group
-    proc, hung_after_results = _wait_for_results(popen, out, devices, timeout)
+    (proc,), hung_after_results = _wait_for_results([popen], out, devices, timeout)
     if proc.returncode != 0 and not hung_after_results and not exit_abort_after_results(proc, out, devices):
         raise AssertionError(f"{Path(worker).name} exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
     return [torch.load(out / f"rank{r}.pt") for r in range(devices)]
 
 
-def _wait_for_results(proc: subprocess.Popen, out: Path, devices: int, timeout: float,
-                      grace: float = 60.0) -> tuple[subprocess.CompletedProcess, bool]:
-    """The launched run's end, and whether it was killed ``grace`` s after every rank had written its result: gloo's
-    teardown now and then leaves rank 0 waiting in ``destroy_process_group`` after rank 1 has exited (seen twice in
-    ~20 runs of benchmarks/fabric_benchmark.py, which waited out its 30-minute timeout). Past ``timeout`` with a
-    result missing: every rank killed, ``TimeoutExpired``."""
-    start, written = time.monotonic(), None
+def _wait_for_results(procs: list[subprocess.Popen], out: Path, devices: int, timeout: float,
+                      grace: float = 60.0) -> tuple[list[subprocess.CompletedProcess], bool]:
+    """The launched processes' ends, and whether they were killed ``grace`` s after every rank had written its
+    result: gloo's teardown now and then leaves rank 0 waiting in ``destroy_process_group`` after rank 1 has exited
+    (seen twice in ~20 runs of benchmarks/fabric_benchmark.py, which waited out its 30-minute timeout). Past
+    ``timeout`` with a result missing: every process group killed, ``TimeoutExpired`` naming the missing results.
+    Each process leads a session of its own (``start_new_session``): killing its group ends the ranks it started."""
+    start, written, ended = time.monotonic(), None, {}
     while True:
-        try:
-            stdout, stderr = proc.communicate(timeout=2)
-            return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), False
-        except subprocess.TimeoutExpired as err:
-            now = time.monotonic()
-            if written is None and all((out / f"rank{r}.pt").exists() for r in range(devices)):
-                written = now
-            if (written is None or now - written < grace) and now - start < timeout:
+        for i, proc in enumerate(procs):
+            if i in ended:
                 continue
-            os.killpg(proc.pid, signal.SIGKILL)  # rank 0 and the ranks Lightning started from it
-            stdout, stderr = proc.communicate()
-            if written is None:
-                raise subprocess.TimeoutExpired(proc.args, timeout, stdout, stderr) from err
-            return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), True
+            try:
+                stdout, stderr = proc.communicate(timeout=1)
+                ended[i] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+            except subprocess.TimeoutExpired:
+                pass
+        if len(ended) == len(procs):
+            return [ended[i] for i in range(len(procs))], False
+        now = time.monotonic()
+        if written is None and all((out / f"rank{r}.pt").exists() for r in range(devices)):
+            written = now
+        if (written is None or now - written < grace) and now - start < timeout:
+            continue
+        for i, proc in enumerate(procs):
+            if i not in ended:
+                os.killpg(proc.pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate()
+                ended[i] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        if written is None:
+            missing = [f"rank{r}.pt" for r in range(devices) if not (out / f"rank{r}.pt").exists()]
+            tails = "".join(f"\n--- process {i}:\n{(d.stdout or '')[-1500:]}{(d.stderr or '')[-1500:]}"
+                            for i, d in sorted(ended.items()))
+            report = f"{', '.join(missing)} missing after {timeout} s; every rank killed{tails}"
+            raise subprocess.TimeoutExpired(procs[0].args, timeout, output=report)
+        return [ended[i] for i in range(len(procs))], True
 
 
 def torchrun_ranks(worker: str | Path, out: Path, *args: Any, devices: int = 2, timeout: float = 420) -> list[Any]:
     """A test's worker as ``torchrun`` starts it: one process per rank with the environment torchrun sets (so Fabric
-    and the Trainer launch nothing), ``--out OUT`` and ``args``; each rank's result from ``OUT/rank<r>.pt``."""
+    and the Trainer launch nothing), ``--out OUT`` and ``args``; each rank's result from ``OUT/rank<r>.pt``. A rank
+    left waiting in gloo's teardown after every result is written is ended (:func:`_wait_for_results`)."""
     import socket
 
     import torch
@@ -125,16 +140,15 @@ def torchrun_ranks(worker: str | Path, out: Path, *args: Any, devices: int = 2, 
     env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(devices), NODE_RANK="0")
     cmd = [sys.executable, str(worker), "--out", str(out), *map(str, args)]
     procs = [subprocess.Popen(cmd, env={**env, "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(devices)]
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for r in range(devices)]
     try:
-        outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+        ended, hung_after_results = _wait_for_results(procs, out, devices, timeout)
     except subprocess.TimeoutExpired as err:  # a rank left waiting in a collective: none outlives the test
-        for proc in procs:
-            proc.kill()
-        raise AssertionError(f"{Path(worker).name}: a rank ran past {timeout} s; every rank killed") from err
-    for proc, output in zip(procs, outputs):
-        done = subprocess.CompletedProcess(cmd, proc.returncode, output, output)
-        assert proc.returncode == 0 or exit_abort_after_results(done, out, devices), output[-3000:]
+        raise AssertionError(f"{Path(worker).name}: {err.output}") from None
+    for done in ended:
+        done = subprocess.CompletedProcess(cmd, done.returncode, done.stdout, done.stdout)  # stderr went to stdout
+        killed = hung_after_results and done.returncode == -signal.SIGKILL
+        assert done.returncode == 0 or killed or exit_abort_after_results(done, out, devices), done.stdout[-3000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 
 
@@ -142,18 +156,22 @@ def torchrun_ranks(worker: str | Path, out: Path, *args: Any, devices: int = 2, 
 _SPAWNED_CHILD_ABORTED = re.compile(r"ProcessExitedException: process \d+ terminated with signal SIGABRT")
 
 
-def exit_abort_after_results(proc: subprocess.CompletedProcess, out: Path, devices: int) -> bool:
-    """gloo (and torch.distributed.checkpoint's threads) now and then abort a process at interpreter exit, after
-    everything it had to do is done and written: SIGABRT with this C++ message and every rank's result on disk.
-    The process launched is the one aborted (-6), or, under Fabric's ``"ddp_spawn"``, the parent reports its child's
-    abort through ``torch.multiprocessing`` and exits 1 (torch 2.11: ~1 run in 6 of tests/fabric_ddp_worker.py
-    --spawn). The results are what the tests judge; any other failure still fails."""
+def teardown_abort(proc: subprocess.CompletedProcess) -> bool:
+    """Whether ``proc`` died of gloo's abort at interpreter exit: SIGABRT with the C++ runtime's "terminate called
+    without an active exception". gloo's worker threads can still be releasing a finished collective's tensors when
+    Python's finalization begins; a thread that then needs the GIL is ended, and the C++ runtime aborts (torch's
+    proposed fix, an exit handler that destroys the process groups, was withdrawn; Lightning destroys them at exit
+    for NCCL only). The process launched is the one aborted (-6), or, under Fabric's ``"ddp_spawn"``, the parent
+    reports its child's abort through ``torch.multiprocessing`` and exits 1 (torch 2.11: ~1 run in 6 of
+    tests/fabric_ddp_worker.py --spawn)."""
     child_aborted = proc.returncode == 1 and _SPAWNED_CHILD_ABORTED.search(proc.stderr) is not None
-    return (
-        (proc.returncode == -6 or child_aborted)
-        and "terminate called without an active exception" in proc.stderr
-        and all((out / f"rank{r}.pt").exists() for r in range(devices))
-    )
+    return (proc.returncode == -6 or child_aborted) and "terminate called without an active exception" in proc.stderr
+
+
+def exit_abort_after_results(proc: subprocess.CompletedProcess, out: Path, devices: int) -> bool:
+    """:func:`teardown_abort` after everything the run had to do is done and written: every rank's result on disk.
+    The results are what the tests judge; any other failure still fails."""
+    return teardown_abort(proc) and all((out / f"rank{r}.pt").exists() for r in range(devices))
 
 
 def worker_arguments(doc: str | None = None) -> argparse.ArgumentParser:

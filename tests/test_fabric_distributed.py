@@ -190,21 +190,28 @@ def test_a_ddp_spawn_child_aborted_at_exit_after_its_results_is_told_apart_from_
 
 def test_a_run_left_hanging_after_every_rank_wrote_its_result_is_ended_and_its_results_kept(tmp_path):
     """gloo's teardown now and then left rank 0 in destroy_process_group after rank 1 had exited, and a benchmark
-    waited out its 30-minute timeout: the launcher now ends a run `grace` s after every result is on disk."""
+    waited out its 30-minute timeout: the launcher now ends a run `grace` s after every result is on disk, one
+    process (Lightning's launcher) or one per rank (torchrun's); a run with a result missing is killed at `timeout`
+    and says which."""
     import subprocess
     import sys
 
     from benchmarks.harness import _wait_for_results
 
-    script = ("import sys, time, torch; out = sys.argv[1]\n"
-              "for r in range(2): torch.save({'rank': r}, f'{out}/rank{r}.pt')\n"
-              "time.sleep(600)\n")
-    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    done, hung = _wait_for_results(proc, tmp_path, 2, timeout=300, grace=1.0)
-    assert hung and done.returncode != 0 and proc.poll() is not None
-    missing = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    with pytest.raises(subprocess.TimeoutExpired):
-        _wait_for_results(missing, tmp_path / "none", 2, timeout=1.0, grace=1.0)
-    assert missing.poll() is not None  # killed, not left behind
+    def start(code):
+        return subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    write = "import sys, torch; out = sys.argv[1]\nfor r in range(2): torch.save({'rank': r}, f'{out}/rank{r}.pt')\n"
+    proc = start(write + "import time; time.sleep(600)\n")
+    (done,), hung = _wait_for_results([proc], tmp_path, 2, timeout=300, grace=1.0)
+    assert hung and done.returncode == -9 and proc.poll() is not None
+    # the results are on disk (above); rank 1 is left waiting
+    ranks = [start("print('rank 0 done')"), start("import time; time.sleep(600)")]
+    (first, second), hung = _wait_for_results(ranks, tmp_path, 2, timeout=300, grace=1.0)
+    assert hung and (first.returncode, second.returncode) == (0, -9) and first.stdout == "rank 0 done\n"
+    missing = [start("print('rank 0 waits', flush=True); import time; time.sleep(600)")]
+    with pytest.raises(subprocess.TimeoutExpired) as err:
+        _wait_for_results(missing, tmp_path / "none", 2, timeout=5.0, grace=1.0)
+    assert missing[0].poll() is not None  # killed, not left behind
+    assert "rank0.pt, rank1.pt missing after 5.0 s" in err.value.output and "rank 0 waits" in err.value.output
