@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import clean_env
+from benchmarks.harness import clean_env, teardown_abort
 
 pytest.importorskip("jsonargparse", reason="the examples use LightningCLI, which needs jsonargparse[signatures]")
 
@@ -457,7 +457,10 @@ def test_the_fabric_fsdp2_example_trains_on_two_processes_saves_and_resumes(tmp_
     def run(*args):
         cmd = [sys.executable, str(EXAMPLES / "fabric_fsdp_gpt.py"), *tiny, *args]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300, env=clean_env())
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        # gloo's abort at exit (harness.teardown_abort; once in CI, 0 in 30 runs here) is let through only after the
+        # run has saved and said so in its last line
+        finished = re.search(r"saved \S+\.pt\n\Z", proc.stdout) is not None
+        assert proc.returncode == 0 or (finished and teardown_abort(proc)), proc.stdout[-2000:] + proc.stderr[-3000:]
         return proc.stdout
 
     assert "step 3: 0 of 3 steps skipped" in run("--max-steps", "3", "--out-dir", "ckpt")
