@@ -83,8 +83,8 @@ def main() -> None:
     if state["step"] > start:
         path.parent.mkdir(parents=True, exist_ok=True)
         fabric.save(path, state)  # FP32 masters, optimizer state and the plugin's state, one file
-    fabric.print(f"step {state['step']}: {plugin.skipped_steps} of {plugin.training_steps} steps skipped; "
-                 f"saved {path}")
+    saved = f"saved {path}" if state["step"] > start else f"nothing saved (the run resumed at step {start})"
+    fabric.print(f"step {state['step']}: {plugin.skipped_steps} of {plugin.training_steps} steps skipped; {saved}")
     logger.finalize("success")
 
 

@@ -458,8 +458,8 @@ def test_the_fabric_fsdp2_example_trains_on_two_processes_saves_and_resumes(tmp_
         cmd = [sys.executable, str(EXAMPLES / "fabric_fsdp_gpt.py"), *tiny, *args]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300, env=clean_env())
         # gloo's abort at exit (harness.teardown_abort; once in CI, 0 in 30 runs here) is let through only after the
-        # run has saved and said so in its last line
-        finished = re.search(r"saved \S+\.pt\n\Z", proc.stdout) is not None
+        # run's last line, which comes after the save
+        finished = re.search(r"steps skipped; [^\n]*\n\Z", proc.stdout) is not None
         assert proc.returncode == 0 or (finished and teardown_abort(proc)), proc.stdout[-2000:] + proc.stderr[-3000:]
         return proc.stdout
 
@@ -472,6 +472,9 @@ def test_the_fabric_fsdp2_example_trains_on_two_processes_saves_and_resumes(tmp_
     then = torch.load(tmp_path / "ckpt" / "step-000005.pt", weights_only=True)
     assert then["step"] == 5 and then["precision"]["scaler"]["steps"] == 5  # the plugin's state came back, and went on
     assert any(not torch.equal(first["model"][k], then["model"][k]) for k in first["model"])
+    again = run("--max-steps", "5", "--resume", "ckpt/step-000005.pt", "--out-dir", "ckpt")  # no step left to take
+    assert "step 5: 0 of 5 steps skipped; nothing saved (the run resumed at step 5)" in again
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000003.pt", "step-000005.pt"]
     for version in ("version_0", "version_1"):  # the resumed run logs into a version of its own
         scalars, _ = _scalar_tags(tmp_path / "logs" / "fp16" / version)
         assert {"precision/loss_scale", "precision/skipped_steps", "train_loss"} <= scalars
