@@ -82,7 +82,7 @@ def launch_ranks(worker: str | Path, out: Path, *args: Any, devices: int = 2, ti
     popen = subprocess.Popen(cmd, env=clean_env() if env is None else env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)  # its ranks: one group
     (proc,), hung_after_results = _wait_for_results([popen], out, devices, timeout)
-    if proc.returncode != 0 and not hung_after_results and not exit_abort_after_results(proc, out, devices):
+    if not _ended_well(proc, hung_after_results, out, devices):
         raise AssertionError(f"{Path(worker).name} exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
     return [torch.load(out / f"rank{r}.pt") for r in range(devices)]
 
@@ -125,6 +125,13 @@ def _wait_for_results(procs: list[subprocess.Popen], out: Path, devices: int, ti
         return [ended[i] for i in range(len(procs))], True
 
 
+def _ended_well(done: subprocess.CompletedProcess, hung_after_results: bool, out: Path, devices: int) -> bool:
+    """A launched process that did its part: exit 0, killed by :func:`_wait_for_results` after every result was on
+    disk, or gloo's abort at exit after the results (:func:`exit_abort_after_results`)."""
+    killed = hung_after_results and done.returncode == -signal.SIGKILL
+    return done.returncode == 0 or killed or exit_abort_after_results(done, out, devices)
+
+
 def torchrun_ranks(worker: str | Path, out: Path, *args: Any, devices: int = 2, timeout: float = 420) -> list[Any]:
     """A test's worker as ``torchrun`` starts it: one process per rank with the environment torchrun sets (so Fabric
     and the Trainer launch nothing), ``--out OUT`` and ``args``; each rank's result from ``OUT/rank<r>.pt``. A rank
@@ -147,8 +154,7 @@ def torchrun_ranks(worker: str | Path, out: Path, *args: Any, devices: int = 2, 
         raise AssertionError(f"{Path(worker).name}: {err.output}") from None
     for done in ended:
         done = subprocess.CompletedProcess(cmd, done.returncode, done.stdout, done.stdout)  # stderr went to stdout
-        killed = hung_after_results and done.returncode == -signal.SIGKILL
-        assert done.returncode == 0 or killed or exit_abort_after_results(done, out, devices), done.stdout[-3000:]
+        assert _ended_well(done, hung_after_results, out, devices), done.stdout[-3000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 
 
